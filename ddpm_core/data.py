@@ -1,0 +1,447 @@
+"""Datasets and loaders: CIFAR-10, a folder of images, and a generated offline dataset.
+
+Every dataset here yields one image as a ``uint8`` tensor of shape 3 x 32 x 32. What happens
+next is the loader's job, and ``make_loader`` offers the three data paths the series compares:
+
+* ``mode="float"``: the classic path. Workers flip, convert to float32 and scale to [-1, 1];
+  float batches are copied to the device (4 bytes per pixel over PCIe).
+* ``mode="uint8"``: workers only flip; uint8 batches are copied (1 byte per pixel) and
+  normalized on the device.
+* ``mode="device"``: no DataLoader at all. The whole uint8 dataset lives on the device as one
+  tensor; each epoch is a permutation, a gather and a flip done there.
+
+Shuffling and flips are decided by ``EpochSampler`` from (seed, epoch) alone, so every path,
+every worker count and a resumed run see exactly the same images in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .paths import data_dir
+
+DATASET_CHOICES = ("auto", "cifar10", "synthetic", "folder")
+LOADER_MODES = ("float", "uint8", "device")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+IMAGE_SIZE = 32
+SYNTHETIC_SIZE = 10_000
+SYNTHETIC_VERSION = 1
+CIFAR10_HOST = ("www.cs.toronto.edu", 443)
+
+
+class DatasetError(RuntimeError):
+    """A dataset could not be found, downloaded or read. The message says how to fix it."""
+
+
+# ------------------------------------------------------------------------------------ datasets
+def _natural_key(path: Path) -> list:
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", path.name)]
+
+
+class FolderImages(Dataset):
+    """A flat folder of PNG/JPEG images (e.g. Kaggle's CIFAR-10 ``train/1.png ...``), resized to 32x32.
+
+    Images are decoded on every access, which makes this the decode-bound dataset of the
+    data-loading notebook.
+    """
+
+    def __init__(self, root: str | os.PathLike, size: int = IMAGE_SIZE):
+        self.root = Path(root)
+        self.size = size
+        if not self.root.is_dir():
+            raise DatasetError(
+                f"image folder {self.root} does not exist. Fix: point data_dir at a folder of "
+                f"PNG/JPEG images (e.g. Kaggle's cifar-10/train), or use dataset='synthetic'."
+            )
+        self.files = sorted(
+            (p for p in self.root.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()),
+            key=_natural_key,
+        )
+        if not self.files:
+            raise DatasetError(
+                f"no images ({', '.join(IMAGE_EXTENSIONS)}) found in {self.root}. Fix: the folder "
+                f"must hold the image files directly (not in subfolders), e.g. cifar-10/train/1.png."
+            )
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        from PIL import Image, UnidentifiedImageError
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        path = self.files[index]
+        try:
+            with Image.open(path) as im:
+                im = im.convert("RGB")
+                if im.size != (self.size, self.size):
+                    im = im.resize((self.size, self.size), Image.Resampling.BICUBIC)
+                return pil_to_tensor(im)
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise DatasetError(
+                f"cannot read image {path}: {e}. Fix: delete or replace this file."
+            ) from e
+
+
+class CIFAR10Images(Dataset):
+    """torchvision's CIFAR-10 training (or test) split as uint8 images; labels are dropped."""
+
+    def __init__(self, root: str | os.PathLike | None = None, train: bool = True, download: bool = True):
+        from torchvision.datasets import CIFAR10
+
+        self.root = Path(root) if root is not None else data_dir()
+        if not _cifar10_present(self.root):
+            if not download:
+                raise DatasetError(_cifar10_missing_message(self.root, "download=False"))
+            if not cifar10_reachable():
+                raise DatasetError(_cifar10_missing_message(self.root, "no network connection to the CIFAR-10 host"))
+        try:
+            ds = CIFAR10(str(self.root), train=train, download=download)
+        except Exception as e:  # noqa: BLE001 - torchvision raises URLError, RuntimeError, OSError...
+            raise DatasetError(_cifar10_missing_message(self.root, f"{type(e).__name__}: {e}")) from e
+        self.images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.images[index]
+
+    def as_tensor(self) -> torch.Tensor:
+        """The whole split as one N x 3 x 32 x 32 uint8 tensor."""
+        return self.images
+
+
+def _cifar10_present(root: Path) -> bool:
+    return (root / "cifar-10-batches-py" / "data_batch_1").exists()
+
+
+def _cifar10_missing_message(root: Path, reason: str) -> str:
+    return (
+        f"CIFAR-10 is not in {root / 'cifar-10-batches-py'} and could not be downloaded ({reason}). "
+        f"Fix: on a machine with internet run `make cifar10` (or python -c \"import torchvision; "
+        f"torchvision.datasets.CIFAR10('{root}', download=True)\") and copy the folder "
+        f"cifar-10-batches-py into {root}; or use dataset='synthetic' (generated offline) or "
+        f"dataset='folder' with a folder of images."
+    )
+
+
+def cifar10_reachable(timeout: float = 3.0) -> bool:
+    """Whether the CIFAR-10 download host answers (a quick TCP connect, no download)."""
+    try:
+        with socket.create_connection(CIFAR10_HOST, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------- synthetic dataset
+def _render_synthetic(rng: np.random.Generator, size: int = IMAGE_SIZE, ss: int = 2) -> np.ndarray:
+    """One image: a two-colour linear gradient with 1-3 bright shapes (circle, square, triangle).
+
+    Drawn at ``ss`` times the size and box-filtered down, for anti-aliased edges.
+    """
+    s = size * ss
+    yy, xx = np.mgrid[0:s, 0:s].astype(np.float32) / (s - 1)
+    c0, c1 = rng.uniform(0.0, 0.6, size=(2, 3)).astype(np.float32)  # muted background colours
+    ang = rng.uniform(0, 2 * np.pi)
+    g = np.clip(0.5 + (np.cos(ang) * (xx - 0.5) + np.sin(ang) * (yy - 0.5)), 0, 1)[..., None]
+    img = c0 * (1 - g) + c1 * g
+    palette = np.array(
+        [[1, .2, .2], [.2, .9, .2], [.2, .4, 1], [1, .9, .1], [1, .3, 1], [.1, .9, .9], [1, 1, 1], [1, .6, .1]],
+        dtype=np.float32,
+    )
+    for _ in range(rng.integers(1, 4)):
+        kind = rng.integers(0, 3)
+        cx, cy = rng.uniform(0.2, 0.8, size=2)
+        r = rng.uniform(0.12, 0.28)
+        if kind == 0:  # circle
+            mask = (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
+        elif kind == 1:  # square
+            mask = (np.abs(xx - cx) <= r * 0.85) & (np.abs(yy - cy) <= r * 0.85)
+        else:  # upward triangle
+            mask = (yy <= cy + r * 0.8) & (yy - (cy - r) >= 1.8 * np.abs(xx - cx))
+        img = np.where(mask[..., None], palette[rng.integers(0, len(palette))], img)
+    img = img.reshape(size, ss, size, ss, 3).mean(axis=(1, 3))
+    return np.round(np.clip(img, 0, 1) * 255).astype(np.uint8)
+
+
+def make_synthetic(
+    root: str | os.PathLike | None = None, n: int = SYNTHETIC_SIZE, seed: int = 0, progress: bool = True
+) -> Path:
+    """Write the synthetic dataset once as PNG files and return its folder.
+
+    The folder is ``<root>/synthetic/n<n>-seed<seed>``. It is built in a temporary folder and
+    renamed into place when complete, so an interrupted run never leaves a half dataset.
+    The same (n, seed) always gives the same pixels.
+    """
+    from PIL import Image
+    from tqdm.auto import tqdm
+
+    base = Path(root) if root is not None else data_dir()
+    final = base / "synthetic" / f"n{n}-seed{seed}"
+    manifest = {"n": n, "seed": seed, "size": IMAGE_SIZE, "version": SYNTHETIC_VERSION}
+    if _synthetic_complete(final, manifest):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        rng = np.random.Generator(np.random.PCG64(seed))
+        for i in tqdm(range(n), desc=f"writing synthetic dataset ({n} PNGs)", disable=not progress, leave=False):
+            Image.fromarray(_render_synthetic(rng)).save(tmp / f"{i}.png", optimize=False)
+        (tmp / "MANIFEST.json").write_text(json.dumps(manifest))
+        if final.exists():  # stale or incomplete: replace it
+            shutil.rmtree(final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _synthetic_complete(final, manifest):  # another process did not finish it either
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _synthetic_complete(folder: Path, manifest: dict) -> bool:
+    try:
+        return json.loads((folder / "MANIFEST.json").read_text()) == manifest
+    except (OSError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------------------ by name
+def get_dataset(
+    name: str = "auto",
+    *,
+    root: str | os.PathLike | None = None,
+    folder: str | os.PathLike | None = None,
+    synthetic_size: int = SYNTHETIC_SIZE,
+    download: bool = True,
+    verbose: bool = True,
+) -> Dataset:
+    """A training dataset of uint8 3x32x32 images, by name.
+
+    Args:
+        name: "cifar10" (torchvision, downloaded into ``root``), "folder" (images in ``folder``),
+            "synthetic" (generated once under ``root/synthetic``) or "auto" (CIFAR-10 if present
+            or downloadable, else synthetic; prints which and why).
+        root: the data folder (default: $DDPM_DATA_DIR or <repo>/data).
+        folder: the image folder for name="folder".
+    """
+    say = print if verbose else (lambda *a, **k: None)
+    if name not in DATASET_CHOICES:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {DATASET_CHOICES}")
+    root = Path(root) if root is not None else data_dir()
+    if name == "auto":
+        if _cifar10_present(root):
+            say(f"dataset: CIFAR-10 (found in {root / 'cifar-10-batches-py'})")
+            return CIFAR10Images(root, download=False)
+        if download and cifar10_reachable():
+            say(f"dataset: CIFAR-10 (not in {root}; downloading it, 170 MB)")
+            return CIFAR10Images(root, download=True)
+        say(
+            f"dataset: synthetic ({synthetic_size} generated images) - CIFAR-10 is not in {root} "
+            f"and its host is unreachable. Run `make cifar10` with internet access to use the real data."
+        )
+        name = "synthetic"
+    if name == "cifar10":
+        return CIFAR10Images(root, download=download)
+    if name == "synthetic":
+        return FolderImages(make_synthetic(root, n=synthetic_size, progress=verbose))
+    if folder is None:
+        raise DatasetError("dataset='folder' needs folder=<path to a folder of PNG/JPEG images>")
+    return FolderImages(folder)
+
+
+def dataset_as_tensor(dataset: Dataset, progress: bool = True) -> torch.Tensor:
+    """All images of ``dataset`` as one N x 3 x H x W uint8 tensor (decodes a folder once)."""
+    if hasattr(dataset, "as_tensor"):
+        return dataset.as_tensor()
+    from tqdm.auto import tqdm
+
+    items = [dataset[i] for i in tqdm(range(len(dataset)), desc="decoding dataset", disable=not progress, leave=False)]
+    return torch.stack(items)
+
+
+# ------------------------------------------------------------------------------ sampling
+class EpochSampler(Sampler):
+    """Shuffled indices with a flip decision each, fixed by (seed, epoch): yields (index, flip).
+
+    Like ``DistributedSampler`` it gives rank r the slice r::world of one shared permutation (the
+    tail that does not divide evenly is dropped so all ranks take the same number of steps).
+    Unlike it, it also decides the random horizontal flip, so augmentation does not depend on
+    worker RNG, and ``set_epoch(epoch, start=k)`` resumes an epoch at its k-th sample.
+    """
+
+    def __init__(self, n: int, *, seed: int = 0, rank: int = 0, world_size: int = 1, shuffle: bool = True, flip: bool = True):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.n, self.seed, self.rank, self.world = n, seed, rank, world_size
+        self.shuffle, self.flip = shuffle, flip
+        self.per_rank = n // world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def epoch_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (indices, flips) for the current epoch, as CPU tensors."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        perm = torch.randperm(self.n, generator=g) if self.shuffle else torch.arange(self.n)
+        flips = torch.rand(self.n, generator=g) < 0.5 if self.flip else torch.zeros(self.n, dtype=torch.bool)
+        sl = slice(self.rank, self.per_rank * self.world, self.world)
+        return perm[sl], flips[sl]
+
+    def __iter__(self) -> Iterator[tuple[int, bool]]:
+        idx, flips = self.epoch_plan()
+        return iter(zip(idx[self.start:].tolist(), flips[self.start:].tolist()))
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+
+class _Augmented(Dataset):
+    """Applies the training transforms to (index, flip) keys: flip, then (mode="float") scale to [-1, 1]."""
+
+    def __init__(self, base: Dataset, to_float: bool):
+        self.base, self.to_float = base, to_float
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, key: tuple[int, bool]) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as TF
+
+        index, flip = key
+        img = self.base[index]
+        if flip:
+            img = TF.horizontal_flip(img)
+        if self.to_float:
+            img = normalize(img)
+        return img
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [0, 255] -> float32 [-1, 1] (works on CPU in a worker or on the device)."""
+    return x.float().mul_(2.0 / 255.0).sub_(1.0)
+
+
+# ------------------------------------------------------------------------------ loaders
+class Loader:
+    """Batches of float32 images in [-1, 1], already on ``device``; one ``iter()`` is one epoch."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, device: torch.device, mode: str, *,
+                 num_workers: int, pin_memory: bool, persistent_workers: bool,
+                 prefetch_factor: int | None, non_blocking: bool, sampler: EpochSampler):
+        self.dataset, self.batch_size, self.device, self.mode = dataset, batch_size, device, mode
+        self.sampler, self.non_blocking = sampler, non_blocking
+        self.loader = DataLoader(
+            _Augmented(dataset, to_float=(mode == "float")),
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=True,  # fixed batch shape: no recompiles, no odd last step
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers and num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        )
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch's shuffle and skip its first ``start_batch`` batches (for resume)."""
+        self.sampler.set_epoch(epoch, start_batch * self.batch_size)
+
+    def __len__(self) -> int:
+        return self.sampler.per_rank // self.batch_size
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for batch in self.loader:
+            batch = batch.to(self.device, non_blocking=self.non_blocking)
+            yield normalize(batch) if self.mode == "uint8" else batch
+
+
+class DeviceLoader:
+    """The whole uint8 dataset as one tensor on the device; shuffle, flip and normalize happen there."""
+
+    def __init__(self, images: torch.Tensor, batch_size: int, device: torch.device, sampler: EpochSampler):
+        self.images = images.to(device)
+        self.batch_size, self.device, self.sampler = batch_size, device, sampler
+        self.mode = "device"
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_batch * self.batch_size)
+
+    def __len__(self) -> int:
+        return self.sampler.per_rank // self.batch_size
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        idx, flips = self.sampler.epoch_plan()  # one small index copy per epoch
+        idx, flips = idx.to(self.device), flips.to(self.device)
+        for b in range(self.sampler.start // self.batch_size, len(self)):
+            sl = slice(b * self.batch_size, (b + 1) * self.batch_size)
+            x = self.images.index_select(0, idx[sl])
+            x = torch.where(flips[sl, None, None, None], x.flip(-1), x)
+            yield normalize(x)
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    device: torch.device | str = "cpu",
+    mode: str = "float",
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+    non_blocking: bool | None = None,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    flip: bool = True,
+) -> Loader | DeviceLoader:
+    """An epoch iterable of training batches (float32 in [-1, 1], on ``device``).
+
+    Args:
+        mode: "float" (normalize in workers), "uint8" (copy uint8, normalize on the device) or
+            "device" (whole dataset resident on the device; no DataLoader, no workers).
+        num_workers, pin_memory, persistent_workers, prefetch_factor: passed to DataLoader.
+        non_blocking: asynchronous host-to-device copies (default: on when pin_memory is on).
+        seed, rank, world_size: the shuffle, and this process's shard under DDP.
+    """
+    if mode not in LOADER_MODES:
+        raise ValueError(f"loader mode must be one of {LOADER_MODES}, got {mode!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if prefetch_factor is not None and num_workers == 0:
+        raise ValueError("prefetch_factor only applies with num_workers > 0; set num_workers or leave prefetch_factor=None")
+    device = torch.device(device)
+    sampler = EpochSampler(len(dataset), seed=seed, rank=rank, world_size=world_size, flip=flip)
+    if sampler.per_rank < batch_size:
+        raise ValueError(
+            f"the dataset has {len(dataset)} images ({sampler.per_rank} per rank), fewer than one batch "
+            f"of {batch_size}; lower batch_size or use a larger dataset"
+        )
+    if mode == "device":
+        return DeviceLoader(dataset_as_tensor(dataset), batch_size, device, sampler)
+    if pin_memory and device.type != "cuda":
+        pin_memory = False  # pinning only helps host-to-GPU copies
+    return Loader(
+        dataset, batch_size, device, mode,
+        num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor,
+        non_blocking=pin_memory if non_blocking is None else non_blocking,
+        sampler=sampler,
+    )

@@ -1,0 +1,57 @@
+"""What we are running on: every figure and table in the series is labeled with it."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """"NVIDIA H100 80GB HBM3" for a GPU, "CPU (<processor>, N threads)" for the CPU."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:  # the model name is more telling than "x86_64"
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU ({cpu}, {torch.get_num_threads()} threads)"
+
+
+def label(device: torch.device | str | None = None) -> str:
+    """One line for figure titles: device and torch version (and CUDA version on a GPU)."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    parts = [device_name(device), f"torch {torch.__version__}"]
+    if device.type == "cuda" and torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    return " · ".join(parts)
+
+
+def describe(device: torch.device | str | None = None) -> dict[str, str]:
+    """Versions and device as a dict (printed by every notebook's environment cell)."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda (build)": str(torch.version.cuda),
+        "device": str(device),
+        "device name": device_name(device),
+        "gpus visible": str(torch.cuda.device_count()),
+        "cpu cores": str(os.cpu_count()),
+        "smoke mode": str(os.environ.get("DDPM_SMOKE") == "1"),
+    }
+    try:
+        import torchvision
+
+        info["torchvision"] = torchvision.__version__
+    except Exception as e:  # noqa: BLE001 - report, do not fail the environment cell
+        info["torchvision"] = f"import failed: {e}"
+    if device.type == "cuda":
+        info["cudnn"] = str(torch.backends.cudnn.version())
+        info["compute capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        info["gpu memory"] = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB"
+    return info

@@ -1,0 +1,559 @@
+"""One configurable DDPM training step, the training loop, checkpoints and the DDP entry point.
+
+Every optimization in the series is a field of ``TrainConfig`` acting on ONE code path,
+``Trainer.train_step``, so a notebook times exactly the step it explains::
+
+    t = build(TrainConfig(model="tiny", precision="bf16", compile="default"))
+    loss = t.train_step(x)          # x: B x 3 x 32 x 32 in [-1, 1]
+
+Multi-process training uses the same module::
+
+    torchrun --nproc_per_node=2 -m ddpm_core.train --model tiny --batch-size 64 --steps 200
+
+(gloo on CPU, NCCL on GPUs; rank 0 alone logs and writes checkpoints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import os
+import re
+import sys
+import typing
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .atomic import atomic_open
+from .data import DATASET_CHOICES, LOADER_MODES, SYNTHETIC_SIZE, get_dataset, make_loader
+from .diffusion import GaussianDiffusion
+from .model import ATTENTION_CHOICES, NORM_CHOICES, PRESETS, preset
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune")
+OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-nesterov", "adagrad", "adadelta")
+FUSED_OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-nesterov")
+# Fields that must match for a checkpoint to resume a run (they change weights or data order).
+RESUME_KEYS = ("model", "norm", "optimizer", "batch_size", "timesteps", "seed", "dataset", "synthetic_size")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob the series teaches. Defaults are the paper's CIFAR-10 hyper-parameters
+    (Ho et al. 2020, Appendix B: Adam, lr 2e-4 with 5000 warm-up steps, batch 128, gradient
+    clipping at 1, EMA 0.9999, dropout 0.1, T = 1000) in the plain baseline setting: fp32,
+    eager, math attention, single-process data loading."""
+
+    # model
+    model: str = "ddpm-cifar10"
+    attention: str = "math"
+    norm: str = "group"
+    dropout: float | None = None  # None: the preset's (0.1)
+    # where and how fast
+    device: str = "auto"
+    precision: str = "fp32"
+    compile: str | None = None
+    channels_last: bool = False
+    fused_optimizer: bool = False
+    # data
+    dataset: str = "auto"
+    data_root: str | None = None  # None: $DDPM_DATA_DIR or <repo>/data
+    image_folder: str | None = None  # for dataset="folder"
+    synthetic_size: int = SYNTHETIC_SIZE
+    loader: str = "float"
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None
+    # optimization
+    batch_size: int = 128  # per process
+    optimizer: str = "adam"
+    lr: float = 2e-4
+    warmup_steps: int = 5000
+    grad_clip: float | None = 1.0
+    ema_decay: float | None = 0.9999
+    timesteps: int = 1000
+    seed: int = 0
+    steps: int = 1000
+    # run
+    out_dir: str = "runs/default"
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    resume: bool = True
+    log_every: int = 50
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def choice(name: str, valid: tuple) -> None:
+            value = getattr(self, name)
+            if value not in valid:
+                shown = ", ".join(repr(v) for v in valid)
+                raise ValueError(f"unknown {name} {value!r}; valid values: {shown}")
+
+        if self.compile in ("none", "None", ""):
+            self.compile = None
+        choice("model", tuple(PRESETS))
+        choice("attention", ATTENTION_CHOICES)
+        choice("norm", NORM_CHOICES)
+        choice("precision", PRECISIONS)
+        choice("compile", COMPILE_MODES)
+        choice("dataset", DATASET_CHOICES)
+        choice("loader", LOADER_MODES)
+        choice("optimizer", OPTIMIZERS)
+        if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"unknown device {self.device!r}; valid values: 'auto', 'cpu', 'cuda', 'cuda:N'")
+        for name in ("batch_size", "steps", "timesteps", "checkpoint_every", "log_every", "keep_checkpoints", "synthetic_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1) or None, got {self.ema_decay}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be > 0 or None (no clipping), got {self.grad_clip}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.fused_optimizer and self.optimizer not in FUSED_OPTIMIZERS:
+            raise ValueError(
+                f"fused_optimizer is available for {FUSED_OPTIMIZERS}, not {self.optimizer!r}; "
+                f"set fused_optimizer=False"
+            )
+        if self.dataset == "folder" and not self.image_folder:
+            raise ValueError("dataset='folder' needs image_folder=<path to a folder of PNG/JPEG images>")
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ValueError("prefetch_factor only applies with num_workers > 0; set num_workers or leave prefetch_factor=None")
+
+
+# ------------------------------------------------------------------------------ helpers
+def resolve_device(name: str = "auto") -> torch.device:
+    """"auto" -> the GPU of this process (cuda:LOCAL_RANK) if there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={name!r} but torch sees no CUDA GPU (torch {torch.__version__}, "
+                f"CUDA build {torch.version.cuda}). Fix: use device='cpu' or 'auto'."
+            )
+        if name == "cuda":
+            name = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return torch.device(name)
+
+
+def available_precisions(device: torch.device | str) -> list[str]:
+    """The precisions ``build`` accepts on ``device``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ["fp32", "bf16"]
+    out = ["fp32"]
+    if torch.cuda.get_device_capability(device)[0] >= 8:
+        out.append("tf32")
+    if torch.cuda.is_bf16_supported():
+        out.append("bf16")
+    return out + ["fp16"]
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """Raise a ValueError that explains why ``precision`` cannot run on ``device`` and what to use."""
+    if precision in available_precisions(device):
+        return
+    if device.type != "cuda":
+        why = {
+            "fp16": "fp16 autocast needs a GradScaler to keep small gradients from underflowing, and "
+                    "that path is built for CUDA GPUs. On CPU use precision='bf16': bfloat16 keeps fp32's "
+                    "exponent range, so it needs no loss scaling.",
+            "tf32": "TF32 is a tensor-core format of NVIDIA GPUs (Ampere and newer); on a CPU it would be "
+                    "plain fp32. Use precision='fp32' or 'bf16' on CPU.",
+        }[precision]
+    else:
+        why = (f"{torch.cuda.get_device_name(device)} does not support it "
+               f"(compute capability {torch.cuda.get_device_capability(device)}); use fp32 or fp16.")
+    raise ValueError(f"precision={precision!r} cannot run on {device}: {why}")
+
+
+def _set_tf32(enabled: bool) -> None:
+    """TF32 for fp32 matmuls and convolutions on CUDA. cuDNN runs fp32 convolutions on TF32 by
+    default, so the honest fp32 baseline must switch it off explicitly."""
+    mode = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the new API only
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def _dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def make_optimizer(name: str, params, lr: float, fused: bool) -> torch.optim.Optimizer:
+    """The optimizer by name; ``fused=True`` selects the single-kernel implementation."""
+    extra = {"fused": True} if fused else {}
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, **extra)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, **extra)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **extra)
+    if name == "sgd-nesterov":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, **extra)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    if name == "adadelta":
+        return torch.optim.Adadelta(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; valid values: {OPTIMIZERS}")
+
+
+class EMA:
+    """Exponential moving average of the weights: ema <- decay * ema + (1 - decay) * weights.
+
+    Written out rather than ``torch.optim.swa_utils.AveragedModel`` because that class
+    checks a tensor counter once per parameter, which synchronizes the GPU hundreds of times
+    per step. This is one ``_foreach_lerp_`` launch group and no sync.
+    """
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self._ema = list(self.model.parameters())
+        self._src = list(model.parameters())
+
+    @torch.no_grad()
+    def update(self) -> None:
+        torch._foreach_lerp_(self._ema, [p.detach() for p in self._src], 1.0 - self.decay)
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------ the trainer
+class Trainer:
+    """What ``build(cfg)`` returns: the model, the diffusion, the optimizer and ``train_step``."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank, self.world_size = _dist_info()
+        self.device = resolve_device(cfg.device)
+        check_precision(cfg.precision, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank
+        overrides: dict[str, Any] = {"attention": cfg.attention, "norm": cfg.norm}
+        if cfg.dropout is not None:
+            overrides["dropout"] = cfg.dropout
+        model = preset(cfg.model, **overrides).to(self.device)
+        self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        model = model.to(memory_format=self.memory_format)
+        self.model = model
+        self.diffusion = GaussianDiffusion(cfg.timesteps).to(self.device)
+        self.ema = EMA(model, cfg.ema_decay) if cfg.ema_decay else None
+
+        self.net: nn.Module = model
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.net = DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None)
+
+        self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.fused_optimizer)
+        warmup = cfg.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        # t and eps come from their own generator (seed + rank), saved in checkpoints, so a
+        # resumed run draws exactly what the uninterrupted one would have drawn.
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed + self.rank)
+        self._loss = self._loss_eager
+        if cfg.compile:
+            self._loss = torch.compile(self._loss_eager, mode=cfg.compile)
+        self.step = 0
+
+    def _loss_eager(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return self.diffusion.loss(self.net, x0, t, noise)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self, x: torch.Tensor, t: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """One optimizer step on a batch ``x`` of images in [-1, 1] (moved to the device if needed).
+
+        ``t`` and ``noise`` are drawn from the trainer's generator unless given (tests pass them).
+        Returns the loss as a detached 0-dim tensor (no device sync; ``float()`` it to read it).
+        """
+        x = x.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+        if t is None:
+            t = torch.randint(0, self.cfg.timesteps, (x.shape[0],), device=self.device, generator=self.generator)
+        if noise is None:
+            noise = torch.randn(x.shape, device=self.device, generator=self.generator, dtype=x.dtype)
+        t = t.to(self.device)
+        noise = noise.to(self.device).contiguous(memory_format=self.memory_format)
+        if self.device.type == "cuda":
+            _set_tf32(self.cfg.precision != "fp32")  # per step: several trainers can share a process
+        self.model.train()
+
+        with self._autocast():
+            loss = self._loss(x, t, noise)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        if self.cfg.grad_clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
+        self.step += 1
+        return loss.detach()
+
+    @torch.no_grad()
+    def sample(self, n: int, steps: int | None = None, seed: int = 0, progress: bool = True, **kw: Any):
+        """Images in [-1, 1] from the EMA model (the raw model if EMA is off); see GaussianDiffusion.sample."""
+        net = self.ema.model if self.ema is not None else self.model
+        was_training = net.training
+        net.eval()
+        try:
+            g = torch.Generator(self.device).manual_seed(seed)
+            with self._autocast():
+                return self.diffusion.sample(net, n, steps=steps, device=self.device, generator=g, progress=progress, **kw)
+        finally:
+            net.train(was_training)
+
+    # -------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "config": asdict(self.cfg),
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "torch_version": torch.__version__,
+        }
+
+    def _rng_state(self) -> dict:
+        state = {"cpu": torch.get_rng_state(), "generator": self.generator.get_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def save_checkpoint(self, out_dir: str | os.PathLike) -> Path | None:
+        """Write ``<out_dir>/checkpoints/step-NNNNNNNN.pt`` atomically (rank 0) and prune old ones.
+
+        Every rank must call it: the RNG states of all ranks are gathered into the file.
+        """
+        rngs = [self._rng_state()]
+        if self.world_size > 1:
+            rngs = [None] * self.world_size
+            dist.all_gather_object(rngs, {k: v.cpu() for k, v in self._rng_state().items()})
+        if self.rank != 0:
+            return None
+        ckpt_dir = Path(out_dir) / "checkpoints"
+        path = ckpt_dir / f"step-{self.step:08d}.pt"
+        with atomic_open(path, "wb") as f:
+            torch.save({**self.state_dict(), "rng": rngs}, f)
+        for old in list_checkpoints(out_dir)[: -self.cfg.keep_checkpoints]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore weights, EMA, optimizer, schedule, scaler, step and RNG state from ``path``."""
+        ckpt = load_checkpoint_file(path, self.device)
+        mismatched = {k: (ckpt["config"].get(k), getattr(self.cfg, k)) for k in RESUME_KEYS
+                      if ckpt["config"].get(k) != getattr(self.cfg, k)}
+        if mismatched:
+            desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items())
+            raise ValueError(
+                f"checkpoint {path} was written by a different run ({desc}). Fix: use another "
+                f"out_dir for this configuration, or resume=False to start over."
+            )
+        self.model.load_state_dict(ckpt["model"])
+        if self.ema is not None and ckpt.get("ema") is not None:
+            self.ema.load_state_dict(ckpt["ema"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        self.step = int(ckpt["step"])
+        rngs = ckpt.get("rng") or []
+        if len(rngs) == self.world_size:
+            rng = rngs[self.rank]
+            torch.set_rng_state(rng["cpu"].cpu())
+            self.generator.set_state(rng["generator"].cpu())
+            if "cuda" in rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
+        elif self.rank == 0:
+            warnings.warn(f"{path} holds RNG state for {len(rngs)} ranks, this run has {self.world_size}; "
+                          f"training continues with fresh random streams")
+
+    def resume_latest(self, out_dir: str | os.PathLike) -> Path | None:
+        """Load the newest readable checkpoint under ``out_dir``; return its path (None if none)."""
+        for path in reversed(list_checkpoints(out_dir)):
+            try:
+                self.load_checkpoint(path)
+                return path
+            except (RuntimeError, EOFError, OSError, KeyError) as e:  # unreadable: try the previous one
+                warnings.warn(f"skipping unreadable checkpoint {path}: {e}")
+        return None
+
+
+def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``out_dir``, oldest first (temporary files are ignored)."""
+    return sorted((Path(out_dir) / "checkpoints").glob("step-*.pt"))
+
+
+def load_checkpoint_file(path: str | os.PathLike, device: torch.device | str = "cpu") -> dict:
+    """Read a checkpoint written by ``Trainer.save_checkpoint``."""
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+def build(cfg: TrainConfig) -> Trainer:
+    """A ``Trainer`` for ``cfg``: ``t.model``, ``t.diffusion``, ``t.optimizer``, ``t.train_step(x)``."""
+    return Trainer(cfg)
+
+
+# ------------------------------------------------------------------------------ the loop
+@dataclass
+class TrainResult:
+    trainer: Trainer
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of this rank
+    resumed_from: Path | None = None
+
+
+def _init_distributed(cfg: TrainConfig) -> bool:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1). Returns True if it did."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return True
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train for ``cfg.steps`` optimizer steps with a progress bar, EMA and periodic checkpoints.
+
+    Resumes from the newest checkpoint in ``cfg.out_dir`` when ``cfg.resume`` is set, continuing
+    with the same data order and random draws as an uninterrupted run.
+    """
+    from tqdm.auto import tqdm
+
+    started_group = _init_distributed(cfg)
+    try:
+        t = build(cfg)
+        rank0 = t.rank == 0
+        resumed = t.resume_latest(cfg.out_dir) if cfg.resume else None
+        if resumed and rank0:
+            print(f"resuming from {resumed} (step {t.step})")
+        dataset = get_dataset(cfg.dataset, root=cfg.data_root, folder=cfg.image_folder,
+                              synthetic_size=cfg.synthetic_size, verbose=rank0)
+        loader = make_loader(
+            dataset, cfg.batch_size, device=t.device, mode=cfg.loader, num_workers=cfg.num_workers,
+            pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
+            prefetch_factor=cfg.prefetch_factor, seed=cfg.seed, rank=t.rank, world_size=t.world_size,
+        )
+        result = TrainResult(trainer=t, resumed_from=resumed)
+        pending: list[tuple[int, torch.Tensor]] = []
+        bar = tqdm(total=cfg.steps, initial=min(t.step, cfg.steps), desc="training",
+                   disable=not (cfg.progress and rank0), dynamic_ncols=True)
+        while t.step < cfg.steps:
+            epoch, offset = divmod(t.step, len(loader))
+            loader.set_epoch(epoch, offset)
+            for x in loader:
+                pending.append((t.step + 1, t.train_step(x)))
+                bar.update(1)
+                done = t.step >= cfg.steps
+                if t.step % cfg.log_every == 0 or done:  # one device sync per log interval
+                    values = torch.stack([v for _, v in pending]).float().tolist()
+                    result.losses += [(s, v) for (s, _), v in zip(pending, values)]
+                    pending.clear()
+                    bar.set_postfix(loss=f"{values[-1]:.4f}", epoch=epoch)
+                if t.step % cfg.checkpoint_every == 0 or done:
+                    t.save_checkpoint(cfg.out_dir)
+                if done:
+                    break
+        bar.close()
+        return result
+    finally:
+        if started_group:
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ command line
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ddpm_core.train",
+        description="Train the DDPM (one process, or one per GPU/CPU worker under torchrun).",
+    )
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        base = next((a for a in args if a is not type(None)), hint)
+        if base is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            conv = base if base in (int, float, str) else str
+
+            def parse(s: str, conv=conv, optional=type(None) in args):
+                return None if optional and s.lower() == "none" else conv(s)
+
+            p.add_argument(flag, type=parse, default=f.default, metavar=base.__name__.upper(),
+                           help=f"default: {f.default}")
+    p.add_argument("--sample-grid", default=None, metavar="PNG",
+                   help="after training, write a grid of EMA samples to this PNG (rank 0)")
+    p.add_argument("--samples", type=int, default=64, help="images in the sample grid")
+    p.add_argument("--sample-steps", type=int, default=100,
+                   help="reverse steps for the grid (strided preview; 1000 for the full chain)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(_parser().parse_args(argv))
+    grid, n_samples, sample_steps = args.pop("sample_grid"), args.pop("samples"), args.pop("sample_steps")
+    try:
+        cfg = TrainConfig(**args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = train(cfg)
+    t = result.trainer
+    if grid and t.rank == 0:
+        from .plots import save_image_grid
+
+        images = t.sample(n_samples, steps=sample_steps)
+        from .env import label
+
+        title = f"{cfg.model} DDPM after {t.step} steps ({sample_steps} sampling steps)\n{label(t.device)}"
+        path = save_image_grid(images, grid, title=title)
+        print(f"wrote {path}")
+    if result.losses and t.rank == 0:
+        print(f"done: step {t.step}, last loss {result.losses[-1][1]:.4f}, checkpoints in {Path(cfg.out_dir) / 'checkpoints'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

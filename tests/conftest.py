@@ -1,0 +1,37 @@
+"""Shared fixtures. Tests never touch the repo's data/ or figures/: both point at temp folders."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(monkeypatch, data_root, tmp_path_factory):
+    monkeypatch.setenv("DDPM_DATA_DIR", data_root)
+    monkeypatch.setenv("DDPM_FIGURES_DIR", str(tmp_path_factory.getbasetemp() / "figures"))
+
+
+@pytest.fixture(scope="session")
+def synthetic_folder(data_root):
+    from ddpm_core.data import make_synthetic
+
+    return make_synthetic(data_root, n=256, seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def synthetic_batch(synthetic_folder) -> torch.Tensor:
+    """16 synthetic images in [-1, 1]."""
+    from ddpm_core.data import FolderImages, normalize
+
+    ds = FolderImages(synthetic_folder)
+    return normalize(torch.stack([ds[i] for i in range(16)]))

@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from ddpm_core.model import AttnBlock, UNet, count_parameters, preset
+
+
+def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights everywhere: the paper's zero-init would make attention a no-op at init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_paper_preset_has_35_7m_parameters_and_maps_images_to_images():
+    model = preset("ddpm-cifar10")
+    assert abs(count_parameters(model) - 35.7e6) <= 0.2e6
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        y = model(x, torch.tensor([0, 999]))
+    assert y.shape == (2, 3, 32, 32)
+
+
+def test_paper_preset_architecture_matches_the_paper():
+    model = preset("ddpm-cifar10")
+    cfg = model.config
+    assert cfg["base_channels"] == 128 and cfg["channel_mult"] == (1, 2, 2, 2)
+    assert cfg["num_res_blocks"] == 2 and cfg["attn_resolutions"] == (16,) and cfg["dropout"] == 0.1
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and all(m.num_groups == 32 for m in norms)
+    # attention at 16x16 only: 2 down blocks + 1 middle + 3 up blocks
+    assert sum(isinstance(m, AttnBlock) for m in model.modules()) == 6
+
+
+def test_tiny_preset_is_small_and_keeps_attention():
+    model = preset("tiny")
+    assert count_parameters(model) < 2_000_000
+    assert any(isinstance(m, AttnBlock) for m in model.modules())
+    assert model(torch.randn(1, 3, 32, 32), torch.tensor([5])).shape == (1, 3, 32, 32)
+
+
+@pytest.mark.parametrize("name", ["tiny", "ddpm-cifar10"])
+def test_math_and_sdpa_attention_agree_with_shared_weights(name):
+    torch.manual_seed(0)
+    math_model = preset(name, attention="math", dropout=0.0).eval()
+    _randomize(math_model)
+    sdpa_model = preset(name, attention="sdpa", dropout=0.0).eval()
+    sdpa_model.load_state_dict(math_model.state_dict())
+    x, t = torch.randn(2, 3, 32, 32), torch.tensor([10, 700])
+    with torch.no_grad():
+        a, b = math_model(x, t), sdpa_model(x, t)
+    assert a.abs().max() > 0.1  # attention really contributes (not the zero-init identity)
+    assert (a - b).abs().max().item() < 1e-4
+
+
+def test_attention_block_alone_agrees_and_set_attention_switches_in_place():
+    torch.manual_seed(0)
+    block = AttnBlock(64, "math", "group", 32)
+    _randomize(block)
+    x = torch.randn(3, 64, 16, 16)
+    with torch.no_grad():
+        ref = block(x)
+        block.attention = "sdpa"
+        out = block(x)
+    assert (ref - out).abs().max().item() < 1e-4
+    model = preset("tiny")
+    model.set_attention("sdpa")
+    assert all(m.attention == "sdpa" for m in model.modules() if isinstance(m, AttnBlock))
+
+
+def test_untrained_model_predicts_zero_noise():
+    model = preset("tiny")
+    assert model(torch.randn(2, 3, 32, 32), torch.tensor([1, 2])).abs().max() == 0
+
+
+def test_bad_arguments_get_clear_errors():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        preset("tiny", attention="flash")
+    with pytest.raises(ValueError, match="unknown model preset 'ddpm'"):
+        preset("ddpm")
+    with pytest.raises(ValueError, match="divisible by groups"):
+        UNet(base_channels=24)
