@@ -355,6 +355,9 @@ class Loader:
             pin_memory=pin_memory,
             persistent_workers=persistent_workers and num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            # Its own generator: creating an iterator must not draw from the global RNG, or a
+            # resumed run (new iterator mid-epoch) would get different dropout masks.
+            generator=torch.Generator().manual_seed(sampler.seed),
         )
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:

@@ -350,7 +350,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "torch_version": torch.__version__,
+            "torch_version": str(torch.__version__),
         }
 
     def _rng_state(self) -> dict:

@@ -1,0 +1,224 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from ddpm_core.train import TrainConfig, build, list_checkpoints, load_checkpoint_file, main, train
+from helpers import tiny_config
+
+
+# ------------------------------------------------------------------------------ config checks
+def test_unknown_precision_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown precision 'fp8'; valid values: 'fp32', 'tf32', 'bf16', 'fp16'"):
+        TrainConfig(precision="fp8")
+
+
+def test_fp16_on_cpu_explains_and_suggests_bf16():
+    with pytest.raises(ValueError, match=r"fp16.*GradScaler.*CUDA.*precision='bf16'"):
+        build(TrainConfig(model="tiny", device="cpu", precision="fp16"))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(compile="fast"), r"unknown compile 'fast'; valid values: None, 'default', 'reduce-overhead', 'max-autotune'"),
+    (dict(attention="flash"), r"unknown attention 'flash'"),
+    (dict(device="tpu"), r"unknown device 'tpu'"),
+    (dict(batch_size=0), r"batch_size must be >= 1"),
+    (dict(optimizer="adadelta", fused_optimizer=True), r"fused_optimizer is available for"),
+    (dict(dataset="folder"), r"image_folder="),
+    (dict(model="big"), r"unknown model 'big'"),
+])
+def test_invalid_config_values_get_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_requested_without_a_gpu_says_so():
+    with pytest.raises(ValueError, match=r"no CUDA GPU.*device='cpu'"):
+        build(TrainConfig(model="tiny", device="cuda"))
+
+
+# ------------------------------------------------------------------------------ the step
+def _fixed_eval_loss(t, x, seed=123):
+    g = torch.Generator().manual_seed(seed)
+    ts = torch.randint(0, 1000, (x.shape[0] * 4,), generator=g)
+    noise = torch.randn((x.shape[0] * 4, *x.shape[1:]), generator=g)
+    t.model.eval()
+    with torch.no_grad():
+        return t.diffusion.loss(t.model, x.repeat(4, 1, 1, 1), ts, noise).item()
+
+
+def test_sixty_steps_on_a_fixed_batch_lower_the_loss_by_at_least_60_percent(tmp_path, synthetic_batch):
+    t = build(tiny_config(tmp_path, lr=2e-3))
+    before = _fixed_eval_loss(t, synthetic_batch)
+    losses = [float(t.train_step(synthetic_batch)) for _ in range(60)]
+    after = _fixed_eval_loss(t, synthetic_batch)
+    assert before == pytest.approx(1.0, abs=0.1)  # zero-init output: loss = E[eps^2]
+    assert after < 0.4 * before, (before, after)
+    assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
+    assert t.step == 60
+
+
+def test_train_step_moves_cpu_batches_and_returns_a_detached_scalar(tmp_path, synthetic_batch):
+    t = build(tiny_config(tmp_path))
+    loss = t.train_step(synthetic_batch[:4].double().float())
+    assert loss.ndim == 0 and not loss.requires_grad and torch.isfinite(loss)
+    assert t.model is not None and t.diffusion.timesteps == 1000 and isinstance(t.optimizer, torch.optim.Adam)
+
+
+def test_bf16_path_runs_on_cpu_under_autocast(tmp_path, synthetic_batch):
+    t = build(tiny_config(tmp_path, precision="bf16"))
+    seen = []
+    hook = t.model.conv_in.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    before = [p.detach().clone() for p in t.model.parameters()]
+    losses = [float(t.train_step(synthetic_batch)) for _ in range(3)]
+    hook.remove()
+    assert seen == [torch.bfloat16] * 3  # convolutions really ran in bf16
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())  # master weights stay fp32
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
+
+
+@pytest.mark.slow
+def test_compile_path_runs_on_cpu_and_matches_eager(tmp_path, synthetic_batch):
+    x = synthetic_batch[:4]
+    ts, noise = torch.tensor([3, 300, 600, 900]), torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    eager = build(tiny_config(tmp_path, dropout=0.0))
+    compiled = build(tiny_config(tmp_path, dropout=0.0, compile="default"))
+    for _ in range(2):
+        a, b = eager.train_step(x, ts, noise), compiled.train_step(x, ts, noise)
+        assert float(b) == pytest.approx(float(a), rel=1e-3, abs=1e-5)
+    assert compiled._loss is not compiled._loss_eager
+
+
+@pytest.mark.parametrize("optimizer, lr, kw", [
+    ("sgd", 0.05, dict(channels_last=True)),
+    ("sgd", 0.05, dict(attention="sdpa")),
+    ("adam", 1e-4, dict(fused_optimizer=True)),
+])
+def test_speed_switches_do_not_change_the_math(tmp_path, synthetic_batch, optimizer, lr, kw):
+    # SGD for the model-side switches, and a small lr for Adam: Adam divides by sqrt(v), which
+    # turns last-bit differences of near-zero gradients into differences of up to lr per step.
+    x = synthetic_batch[:4]
+    ts, noise = torch.tensor([3, 300, 600, 900]), torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    ref = build(tiny_config(tmp_path, dropout=0.0, optimizer=optimizer, lr=lr))
+    alt = build(tiny_config(tmp_path, dropout=0.0, optimizer=optimizer, lr=lr, **kw))
+    for _ in range(3):
+        assert float(alt.train_step(x, ts, noise)) == pytest.approx(float(ref.train_step(x, ts, noise)), rel=1e-4, abs=1e-6)
+    for (name, p), q in zip(ref.model.named_parameters(), alt.model.parameters()):
+        assert (p - q).abs().max().item() < 1e-4, name
+
+
+def test_ema_follows_the_weights(tmp_path, synthetic_batch):
+    t = build(tiny_config(tmp_path, ema_decay=0.5))
+    t.train_step(synthetic_batch)
+    # after one step only conv_out has moved: the zero-initialized output blocks all other gradients
+    w, e = t.model.conv_out.weight, t.ema.model.conv_out.weight
+    assert not torch.equal(w, e) and not e.requires_grad
+    assert torch.isfinite(t.sample(2, steps=3, progress=False)).all()
+
+
+# ------------------------------------------------------------------------------ loop, checkpoints
+def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
+    full = train(tiny_config(tmp_path / "full", steps=10, checkpoint_every=5))
+    first = train(tiny_config(tmp_path / "split", steps=5, checkpoint_every=5))
+    second = train(tiny_config(tmp_path / "split", steps=10, checkpoint_every=5))
+    assert second.resumed_from is not None and second.resumed_from.name == "step-00000005.pt"
+    assert [s for s, _ in second.losses] == list(range(6, 11))
+    assert [v for _, v in first.losses + second.losses] == [v for _, v in full.losses]
+    for p, q in zip(full.trainer.model.parameters(), second.trainer.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_resume_across_an_epoch_boundary_with_workers(tmp_path):
+    # 256 images / batch 8 = 32 steps per epoch: stop in epoch 0, resume into epoch 1
+    kw = dict(num_workers=2, checkpoint_every=30, log_every=10)
+    full = train(tiny_config(tmp_path / "full", steps=34, **kw))
+    train(tiny_config(tmp_path / "split", steps=30, **kw))
+    second = train(tiny_config(tmp_path / "split", steps=34, **kw))
+    assert [v for _, v in second.losses] == [v for _, v in full.losses[30:]]
+
+
+def test_checkpoints_are_pruned_and_a_mismatched_run_is_refused(tmp_path):
+    cfg = tiny_config(tmp_path, steps=6, checkpoint_every=2, keep_checkpoints=2)
+    train(cfg)
+    assert [p.name for p in list_checkpoints(cfg.out_dir)] == ["step-00000004.pt", "step-00000006.pt"]
+    ckpt = load_checkpoint_file(list_checkpoints(cfg.out_dir)[-1])
+    assert ckpt["step"] == 6 and ckpt["config"]["model"] == "tiny"
+    with pytest.raises(ValueError, match=r"different run \(batch_size: checkpoint 8 vs config 4\).*another out_dir"):
+        train(tiny_config(tmp_path, steps=8, batch_size=4))
+
+
+_SLOW_WRITER = textwrap.dedent("""
+    import contextlib, sys, time, torch
+    from pathlib import Path
+    import ddpm_core.train as T
+    sys.path.insert(0, sys.argv[2])
+    from helpers import tiny_config
+
+    class Stalling:  # a file that stops for good after 1 MB has reached the disk
+        def __init__(self, f):
+            self.f, self.n = f, 0
+        def write(self, b):
+            self.f.write(b)
+            self.n += len(b)
+            if self.n > 1_000_000:
+                self.f.flush()
+                print("writing", flush=True)
+                time.sleep(600)
+            return len(b)
+        def flush(self):
+            self.f.flush()
+
+    t = T.build(tiny_config(Path(sys.argv[1])))
+    t.train_step(torch.zeros(2, 3, 32, 32))
+    t.save_checkpoint(sys.argv[1])
+    print("first saved", flush=True)
+    t.train_step(torch.zeros(2, 3, 32, 32))
+    real_open = T.atomic_open
+
+    @contextlib.contextmanager
+    def stalling_open(path, mode="wb"):
+        with real_open(path, mode) as f:
+            yield Stalling(f)
+
+    T.atomic_open = stalling_open
+    t.save_checkpoint(sys.argv[1])
+""")
+
+
+def test_a_run_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
+    script = tmp_path / "writer.py"
+    script.write_text(_SLOW_WRITER)
+    tests_dir = os.path.dirname(__file__)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), tests_dir],
+                            stdout=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.time() + 120
+    while "writing" not in lines and time.time() < deadline:
+        lines.append(proc.stdout.readline().strip())
+    assert "first saved" in lines and "writing" in lines, lines
+    partial = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.endswith(".partial")]
+    assert partial and partial[0].stat().st_size > 0  # it was mid-write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+    t = build(tiny_config(tmp_path))
+    assert t.resume_latest(tmp_path).name == "step-00000001.pt" and t.step == 1
+
+
+def test_command_line_trains_and_writes_a_sample_grid(tmp_path, capsys):
+    grid = tmp_path / "grid.png"
+    rc = main(["--model", "tiny", "--device", "cpu", "--dataset", "synthetic", "--synthetic-size", "64",
+               "--batch-size", "8", "--steps", "3", "--warmup-steps", "0", "--ema-decay", "none",
+               "--out-dir", str(tmp_path / "run"), "--no-progress", "--loader", "uint8",
+               "--sample-grid", str(grid), "--samples", "4", "--sample-steps", "2"])
+    assert rc == 0 and grid.stat().st_size > 1000
+    assert "done: step 3" in capsys.readouterr().out
+    assert main(["--precision", "fp8"]) == 2
+    assert "valid values" in capsys.readouterr().err
