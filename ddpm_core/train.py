@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         from .env import label
 
         title = f"{cfg.model} DDPM after {t.step} steps ({sample_steps} sampling steps)\n{label(t.device)}"
-        path = save_image_grid(images, grid, title=title)
+        path = save_image_grid(images, str(Path(grid).resolve()), title=title)  # relative to the cwd
         print(f"wrote {path}")
     if result.losses and t.rank == 0:
         print(f"done: step {t.step}, last loss {result.losses[-1][1]:.4f}, checkpoints in {Path(cfg.out_dir) / 'checkpoints'}")
