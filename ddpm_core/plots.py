@@ -58,3 +58,142 @@ def save_image_grid(images: torch.Tensor, name: str, title: str | None = None) -
         return savefig(fig, name)
     finally:
         plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ the series' charts
+def _title(ax, title: str, label: str | None) -> None:
+    ax.set_title(f"{title}\n{label}" if label else title, fontsize=10)
+
+
+def _label_bars(ax, bars, fmt: str) -> None:
+    for b in bars:
+        w = b.get_width()
+        ax.annotate(fmt.format(w), (w, b.get_y() + b.get_height() / 2), xytext=(3, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+
+
+def throughput_bars(df, *, label: str | None, x: str = "variant", y: str = "images_per_s",
+                    baseline: str | None = None, title: str = "Training throughput") -> "plt.Figure":
+    """Horizontal bars of ``y`` per ``x`` with value labels, and the speedup over ``baseline``
+    (default: the first row) - a ratio of two measurements in the same table."""
+    set_style()
+    df = df.reset_index(drop=True)
+    if x not in df and "name" in df:  # Measurement.row() calls the variant "name"
+        x = "name"
+    base = df.loc[df[x] == baseline, y].iloc[0] if baseline is not None else df[y].iloc[0]
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(df) + 1.6))
+    bars = ax.barh(df[x].astype(str), df[y])
+    ax.invert_yaxis()
+    for b, v in zip(bars, df[y]):
+        ax.annotate(f"{v:,.0f}  ({v / base:.2f}x)", (b.get_width(), b.get_y() + b.get_height() / 2),
+                    xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    ax.set_xlabel("images / s" if y == "images_per_s" else y)
+    ax.set_xlim(0, df[y].max() * 1.3)
+    _title(ax, title, label)
+    return fig
+
+
+def batch_size_lines(df, *, label: str | None, x: str = "batch_size", y: str = "images_per_s",
+                     memory: str = "peak_memory_gib", title: str = "Throughput and memory vs batch size") -> "plt.Figure":
+    """``y`` against batch size (log2 axis), with peak memory on a second axis."""
+    set_style()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(df[x], df[y], marker="o", color="C0", label="images / s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("images / s", color="C0")
+    if memory in df and df[memory].notna().any():
+        ax2 = ax.twinx()
+        ax2.plot(df[x], df[memory], marker="s", ls="--", color="C1", label="peak memory")
+        ax2.set_ylabel("peak memory (GiB)", color="C1")
+        ax2.grid(False)
+    _title(ax, title, label)
+    return fig
+
+
+def wait_compute_bars(df, *, label: str | None, x: str = "variant", wait: str = "data_wait_ms",
+                      compute: str = "compute_ms", title: str = "Data wait vs compute per step") -> "plt.Figure":
+    """Stacked bars: time per step waiting for data and computing."""
+    set_style()
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(df) + 1.6))
+    names = df[x].astype(str)
+    ax.barh(names, df[compute], label="compute", color="C0")
+    ax.barh(names, df[wait], left=df[compute], label="waiting for data", color="C3")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step")
+    ax.legend(loc="lower right", fontsize=8)
+    _title(ax, title, label)
+    return fig
+
+
+def temporal_breakdown(temporal, *, label: str | None, title: str = "GPU time: compute, non-compute, idle") -> "plt.Figure":
+    """HTA's temporal breakdown (one stacked bar per rank, in % of the profiled time)."""
+    set_style()
+    parts = [("compute_time_pctg", "compute", "C2"), ("non_compute_time_pctg", "non-compute (memcpy, memset, comms)", "C1"),
+             ("idle_time_pctg", "idle", "C7")]
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(temporal) + 1.6))
+    ranks = [f"rank {r}" for r in temporal["rank"]]
+    left = [0.0] * len(temporal)
+    for col, name, color in parts:
+        vals = temporal[col].astype(float).tolist()
+        bars = ax.barh(ranks, vals, left=left, label=name, color=color)
+        for b, v, l0 in zip(bars, vals, left):
+            if v >= 4:
+                ax.text(l0 + v / 2, b.get_y() + b.get_height() / 2, f"{v:.0f}%", ha="center", va="center", fontsize=8)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("% of profiled time")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    _title(ax, title, label)
+    return fig
+
+
+def kernel_breakdown(kernels, *, label: str | None, title: str = "GPU kernel time by type") -> "plt.Figure":
+    """HTA's kernel-type breakdown (kernel_type, sum, percentage) as bars."""
+    set_style()
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(kernels) + 1.6))
+    bars = ax.barh(kernels["kernel_type"].astype(str), kernels["percentage"].astype(float))
+    ax.invert_yaxis()
+    _label_bars(ax, bars, "{:.1f}%")
+    ax.set_xlim(0, 110)
+    ax.set_xlabel("% of kernel time")
+    _title(ax, title, label)
+    return fig
+
+
+def top_ops(table, *, label: str | None, n: int = 10, value: str | None = None,
+            title: str | None = None) -> "plt.Figure":
+    """The ``n`` most time-consuming operators of an op table (``profiling.op_table`` or
+    ``traces.TraceReport.cpu_ops``), by self device time when present, else self CPU time."""
+    set_style()
+    if value is None:
+        value = "self_device_us" if "self_device_us" in table and table["self_device_us"].sum() > 0 else (
+            "self_cpu_us" if "self_cpu_us" in table else "self_us")
+    top = table.sort_values(value, ascending=False).head(n)
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(top) + 1.6))
+    bars = ax.barh(top["name"].astype(str).str.slice(0, 60), top[value] / 1e3)
+    ax.invert_yaxis()
+    _label_bars(ax, bars, "{:,.1f} ms")
+    ax.set_xlabel(f"{value.replace('_us', '').replace('_', ' ')} time (ms, all profiled steps)")
+    _title(ax, title or f"Top {len(top)} operators by {value.replace('_us', '').replace('_', ' ')} time", label)
+    return fig
+
+
+def scaling_efficiency(df, *, label: str | None, x: str = "world_size", y: str = "images_per_s",
+                       title: str = "Scaling with the number of processes") -> "plt.Figure":
+    """Throughput against the number of processes, with ideal linear scaling and efficiency labels."""
+    set_style()
+    df = df.sort_values(x)
+    base = df[y].iloc[0] / df[x].iloc[0]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(df[x], df[x] * base, ls="--", color="C7", label="ideal (linear)")
+    ax.plot(df[x], df[y], marker="o", color="C0", label="measured")
+    for n, v in zip(df[x], df[y]):
+        ax.annotate(f"{100 * v / (n * base):.0f}%", (n, v), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
+    ax.set_xticks(df[x].tolist())
+    ax.set_xlabel("processes (GPUs, or CPU workers)")
+    ax.set_ylabel("images / s")
+    ax.legend(fontsize=8)
+    _title(ax, title, label)
+    return fig

@@ -1,0 +1,349 @@
+"""Honest instruments: a synchronizing timer, FLOPs of the real step, MFU against a named peak.
+
+    m = measure(t.train_step, x, batch_size=128, flops=count_flops(t.train_step, x), precision="bf16")
+    print(m)                       # ms/step, img/s, TFLOP/s, MFU (vs which peak), peak memory
+
+MFU (model FLOPs utilization) = achieved FLOP/s / the device's dense peak FLOP/s for the
+precision the step runs in. The FLOPs are the model's (forward + backward, attention counted as
+softmax(QK^T)V whatever kernel ran), so a kernel that recomputes does not earn extra credit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from .env import device_name
+
+# Dense (no 2:4 sparsity) peak TFLOP/s by device and precision, from NVIDIA's datasheets and
+# architecture whitepapers. "fp32" is the plain CUDA-core rate; "tf32", "bf16" and "fp16" are
+# tensor-core rates (fp32 accumulate where the consumer cards differ). None: no such mode.
+PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
+    # NVIDIA H100 datasheet (SXM5): FP32 67, TF32 989 / BF16 1979 / FP16 1979 with sparsity -> halve.
+    "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    # NVIDIA H100 datasheet (PCIe): FP32 51, TF32 756 / BF16 1513 / FP16 1513 with sparsity.
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5},
+    # NVIDIA H200 datasheet (SXM): same compute as H100 SXM (FP32 67, BF16 1979 sparse), more/faster HBM3e.
+    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    # NVIDIA A100 datasheet: FP32 19.5, TF32 156, BF16 312, FP16 312 (dense; 40 GB and 80 GB alike).
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    # NVIDIA A10 datasheet: FP32 31.2, TF32 62.5, BF16 125, FP16 125 (dense).
+    "A10": {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
+    # NVIDIA L4 datasheet: FP32 30.3, TF32 120 / BF16 242 / FP16 242 with sparsity -> halve.
+    "L4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},
+    # NVIDIA T4 datasheet: FP32 8.1, mixed FP16/FP32 65; Turing has no TF32 and no BF16.
+    "T4": {"fp32": 8.1, "tf32": None, "bf16": None, "fp16": 65.0},
+    # NVIDIA V100 SXM2 datasheet: FP32 15.7, tensor FP16 125; Volta has no TF32 and no BF16.
+    "V100": {"fp32": 15.7, "tf32": None, "bf16": None, "fp16": 125.0},
+    # NVIDIA Ampere GA102 whitepaper, RTX 3090: FP32 35.6, TF32 35.6, FP16/BF16 with FP32 accumulate 71.
+    "RTX 3090": {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0},
+    # NVIDIA Ada Lovelace whitepaper, RTX 4090: FP32 82.6, TF32 82.6, FP16/BF16 with FP32 accumulate 165.2.
+    "RTX 4090": {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2},
+}
+
+# Which table row a device name belongs to; the first match wins (so "A100" before "A10").
+_DEVICE_PATTERNS = [
+    (r"H200", "H200"),
+    (r"H100.*PCIe", "H100 PCIe"),
+    (r"H100", "H100 SXM"),
+    (r"A100", "A100"),
+    (r"\bA10\b", "A10"),
+    (r"\bL4\b", "L4"),
+    (r"\bT4\b", "T4"),
+    (r"V100", "V100"),
+    (r"3090", "RTX 3090"),
+    (r"4090", "RTX 4090"),
+]
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A peak FLOP/s figure and what it is: MFU always says which peak it divides by."""
+
+    tflops: float
+    device: str
+    precision: str
+
+    def __str__(self) -> str:
+        return f"{self.device} {self.precision} dense peak {self.tflops:g} TFLOP/s"
+
+
+def peak_for(device: torch.device | str | None, precision: str) -> tuple[Peak | None, str]:
+    """The dense peak for ``precision`` on ``device``, or (None, why not).
+
+    On CPU, or a GPU missing from the table, there is no peak: MFU is left out, never guessed.
+    Note: with precision "fp32" the series switches TF32 off; cuDNN would otherwise run "fp32"
+    convolutions on TF32 tensor cores by default, and the fp32 peak would be the wrong yardstick.
+    """
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        return None, "MFU is not reported on CPU: there is no single published peak to divide by"
+    name = device_name(device)
+    return peak_for_name(name, precision)
+
+
+def peak_for_name(name: str, precision: str) -> tuple[Peak | None, str]:
+    """Like ``peak_for`` but from a device name such as "NVIDIA H100 80GB HBM3"."""
+    key = next((k for pat, k in _DEVICE_PATTERNS if re.search(pat, name)), None)
+    if key is None:
+        return None, f"MFU left out: {name!r} is not in ddpm_core.bench.PEAK_TFLOPS (add its datasheet figures)"
+    value = PEAK_TFLOPS[key].get(precision)
+    if value is None:
+        return None, f"MFU left out: {key} has no {precision} tensor-core mode"
+    return Peak(value, key, precision), ""
+
+
+# ------------------------------------------------------------------------------ FLOPs
+def _owner_models(fn: Callable) -> list[torch.nn.Module]:
+    owner = getattr(fn, "__self__", None)
+    found = []
+    for obj in (owner, getattr(owner, "model", None), getattr(owner, "net", None)):
+        if isinstance(obj, torch.nn.Module):
+            found.append(obj)
+    return found
+
+
+@contextlib.contextmanager
+def _countable(fn: Callable) -> Iterator[None]:
+    """Make ``fn`` countable: eager (not compiled) and with math attention.
+
+    FlopCounterMode sees aten ops, so a compiled step must run eagerly while counting, and the
+    attention of our UNet is switched to the explicit softmax(QK^T)V, whose FLOPs every torch
+    version counts. It computes the same function as SDPA (see the model tests).
+    """
+    from .model import AttnBlock
+
+    owner = getattr(fn, "__self__", None)
+    saved_loss = None
+    if owner is not None and hasattr(owner, "_loss_eager") and hasattr(owner, "_loss"):
+        saved_loss, owner._loss = owner._loss, owner._loss_eager
+    blocks = [m for model in _owner_models(fn) for m in model.modules() if isinstance(m, AttnBlock)]
+    saved_attn = [b.attention for b in blocks]
+    for b in blocks:
+        b.attention = "math"
+    try:
+        yield
+    finally:
+        for b, a in zip(blocks, saved_attn):
+            b.attention = a
+        if saved_loss is not None:
+            owner._loss = saved_loss
+
+
+def _sdpa_fallback_mapping() -> dict:
+    """FLOP formulas for SDPA kernels this torch's FlopCounterMode does not know.
+
+    Recent torch counts every SDPA backend; older builds skipped some (notably the CPU ones),
+    which silently dropped attention from the total. Fill in whatever is missing.
+    """
+    import torch.utils.flop_counter as fc
+
+    mapping = {}
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+        op = getattr(torch.ops.aten, name, None)
+        if op is None or op in fc.flop_registry:
+            continue
+
+        def formula(query_shape, key_shape, value_shape, *args, **kwargs):
+            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+        mapping[op] = formula
+    return mapping
+
+
+def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """FLOPs of one call of ``fn(*args, **kwargs)`` (e.g. ``t.train_step(x)``: forward + backward).
+
+    Counted with ``torch.utils.flop_counter.FlopCounterMode``. The call really runs once (a
+    train step updates the weights). For a ``Trainer`` method it runs eagerly with math
+    attention, so compiled and SDPA steps count the same model FLOPs as the baseline.
+    """
+    return flop_breakdown(fn, *args, **kwargs)["flops"].sum().item()
+
+
+def flop_breakdown(fn: Callable[..., Any], *args: Any, **kwargs: Any):
+    """Per-operator FLOPs of one call, as a DataFrame (op, flops, share) sorted by FLOPs."""
+    import pandas as pd
+
+    with _countable(fn), FlopCounterMode(display=False, custom_mapping=_sdpa_fallback_mapping()) as counter:
+        fn(*args, **kwargs)
+    counts = counter.get_flop_counts().get("Global", {})
+    df = pd.DataFrame([{"op": str(op), "flops": int(n)} for op, n in counts.items()], columns=["op", "flops"])
+    df = df.sort_values("flops", ascending=False, ignore_index=True)
+    total = df["flops"].sum()
+    df["share"] = df["flops"] / total if total else 0.0
+    return df
+
+
+# ------------------------------------------------------------------------------ timing
+@dataclass
+class Measurement:
+    """Step time and what follows from it. Times in milliseconds, memory in bytes."""
+
+    name: str
+    device: str
+    device_name: str
+    torch_version: str
+    batch_size: int
+    iters: int
+    first_ms: float  # the first call alone: includes compilation, autotuning, allocator warm-up
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    images_per_s: float
+    peak_memory_bytes: int | None
+    memory_kind: str  # what peak_memory_bytes measures
+    flops_per_step: int | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak: str | None = None  # e.g. "H100 SXM bf16 dense peak 989.4 TFLOP/s"
+    note: str = ""
+    times_ms: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def peak_memory_gib(self) -> float | None:
+        return None if self.peak_memory_bytes is None else self.peak_memory_bytes / 2**30
+
+    def row(self) -> dict[str, Any]:
+        """A flat dict for tables and the results CSV (without the per-iteration times)."""
+        d = asdict(self)
+        d.pop("times_ms")
+        d["peak_memory_gib"] = self.peak_memory_gib
+        return d
+
+    def __str__(self) -> str:
+        s = (f"{self.name or 'step'} on {self.device_name}: {self.median_ms:.2f} ms/step "
+             f"(p10-p90 {self.p10_ms:.2f}-{self.p90_ms:.2f}), {self.images_per_s:,.0f} img/s, "
+             f"first call {self.first_ms:.0f} ms")
+        if self.tflops is not None:
+            s += f", {self.tflops:.2f} TFLOP/s"
+        if self.mfu is not None:
+            s += f", MFU {100 * self.mfu:.1f}% of {self.peak}"
+        if self.peak_memory_bytes is not None:
+            s += f", {self.memory_kind} {self.peak_memory_bytes / 2**20:,.0f} MiB"
+        return s + (f" [{self.note}]" if self.note else "")
+
+
+class _RssSampler:
+    """Peak resident memory of this process above its level at start, sampled every ``interval`` s.
+
+    The CPU allocator keeps no statistics, so on CPU this is the honest stand-in for
+    ``torch.cuda.max_memory_allocated``: what the measured steps added to the process.
+    """
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self.proc, self.interval = psutil.Process(), interval
+        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "_RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    @property
+    def increase(self) -> int:
+        return max(0, self.peak - self.base)
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def measure(
+    fn: Callable[..., Any],
+    *args: Any,
+    batch_size: int,
+    warmup: int = 3,
+    iters: int = 10,
+    flops: int | None = None,
+    precision: str = "fp32",
+    device: torch.device | str | None = None,
+    name: str = "",
+    **kwargs: Any,
+) -> Measurement:
+    """Time ``fn(*args, **kwargs)``: one first call, ``warmup - 1`` more untimed, then ``iters`` timed.
+
+    On CUDA each timed call is bracketed by CUDA events after a synchronize; on CPU by
+    ``time.perf_counter``. ``flops`` (per call, from ``count_flops``) gives TFLOP/s, and MFU
+    against the dense peak of ``precision`` on this device when the table knows it.
+    """
+    if iters < 1 or warmup < 1:
+        raise ValueError(f"need warmup >= 1 (the first call is timed apart) and iters >= 1; got warmup={warmup}, iters={iters}")
+    device = torch.device(device) if device is not None else _device_of(args, kwargs)
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    sync()
+    t0 = time.perf_counter()
+    fn(*args, **kwargs)
+    sync()
+    first_ms = 1e3 * (time.perf_counter() - t0)
+    for _ in range(warmup - 1):
+        fn(*args, **kwargs)
+    sync()
+
+    times: list[float] = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for s, e in zip(starts, ends):
+            s.record()
+            fn(*args, **kwargs)
+            e.record()
+        sync()
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        peak_mem, mem_kind = torch.cuda.max_memory_allocated(device), "peak allocated (CUDA)"
+    else:
+        with _RssSampler() as rss:
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn(*args, **kwargs)
+                times.append(1e3 * (time.perf_counter() - t0))
+        peak_mem, mem_kind = rss.increase, "peak RSS increase (CPU, sampled)"
+
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
+    median = statistics.median(times)
+    m = Measurement(
+        name=name, device=str(device), device_name=device_name(device), torch_version=torch.__version__,
+        batch_size=batch_size, iters=iters, first_ms=first_ms, median_ms=median, p10_ms=q[0], p90_ms=q[-1],
+        images_per_s=batch_size / (median / 1e3), peak_memory_bytes=peak_mem, memory_kind=mem_kind,
+        times_ms=times,
+    )
+    if flops is not None:
+        m.flops_per_step = int(flops)
+        m.tflops = flops / (median / 1e3) / 1e12
+        peak, why = peak_for(device, precision)
+        if peak is not None:
+            m.mfu, m.peak = m.tflops / peak.tflops, str(peak)
+        else:
+            m.note = why
+    return m

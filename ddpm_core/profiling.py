@@ -1,0 +1,151 @@
+"""Profiler traces that HTA can read, and the profiler's operator table as a DataFrame.
+
+``capture`` runs a function under ``torch.profiler`` with a wait/warmup/active schedule (so the
+trace carries the ``ProfilerStep#N`` markers HTA needs) and writes one gzipped Chrome trace per
+rank into one folder per run. HTA takes the rank from the trace's ``distributedInfo``, which
+torch writes only when torch.distributed is initialized; for a single process we add it, so
+two runs never collide as "rank-less" traces.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from .atomic import atomic_write_bytes
+
+TRACE_SUFFIX = ".pt.trace.json.gz"
+
+
+@dataclass
+class Capture:
+    """The result of ``capture``: where the trace went, and the profiler for ``op_table``."""
+
+    trace_path: Path
+    trace_dir: Path
+    profiler: profile
+    device: torch.device
+    steps: int
+
+    def op_table(self, **kw: Any) -> pd.DataFrame:
+        return op_table(self.profiler, **kw)
+
+
+def _rank_world() -> tuple[int, int, str]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    return 0, 1, "none"
+
+
+def _guess_device(args: tuple) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def capture(
+    fn: Callable[..., Any],
+    *args: Any,
+    out_dir: str | os.PathLike,
+    wait: int = 1,
+    warmup: int = 1,
+    active: int = 3,
+    record_shapes: bool = False,
+    profile_memory: bool = False,
+    with_stack: bool = False,
+    device: torch.device | str | None = None,
+    **kwargs: Any,
+) -> Capture:
+    """Profile ``wait + warmup + active`` calls of ``fn(*args, **kwargs)``; write the active steps.
+
+    The trace goes to ``<out_dir>/rank<R>.pt.trace.json.gz`` (R = this process's rank), with
+    ``distributedInfo`` set, so ``ddpm_core.traces.analyze(out_dir)`` reads it. Use one
+    ``out_dir`` per run. Returns a ``Capture`` (``.trace_path``, ``.op_table()``).
+    """
+    if active < 1 or wait < 0 or warmup < 0:
+        raise ValueError(f"need active >= 1 and wait, warmup >= 0; got wait={wait}, warmup={warmup}, active={active}")
+    device = torch.device(device) if device is not None else _guess_device(args)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    rank, world, backend = _rank_world()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"rank{rank}{TRACE_SUFFIX}"
+
+    def on_ready(prof: profile) -> None:
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            trace = json.loads(raw.read_text())
+        info = trace.setdefault("distributedInfo", {})
+        info.setdefault("rank", rank)
+        info.setdefault("world_size", world)
+        info.setdefault("backend", backend)
+        trace.setdefault("ddpm_core", {})["device"] = str(device)
+        atomic_write_bytes(final, gzip.compress(json.dumps(trace).encode(), compresslevel=6))
+
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=on_ready,
+        record_shapes=record_shapes,
+        profile_memory=profile_memory,
+        with_stack=with_stack,
+    ) as prof:
+        for _ in range(wait + warmup + active):
+            fn(*args, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            prof.step()
+    return Capture(trace_path=final, trace_dir=out_dir, profiler=prof, device=device, steps=active)
+
+
+_OP_COLUMNS = {
+    "name": "key",
+    "self_cpu_us": "self_cpu_time_total",
+    "cpu_total_us": "cpu_time_total",
+    "self_device_us": "self_device_time_total",
+    "device_total_us": "device_time_total",
+    "self_cpu_mem_bytes": "self_cpu_memory_usage",
+    "cpu_mem_bytes": "cpu_memory_usage",
+    "self_device_mem_bytes": "self_device_memory_usage",
+    "device_mem_bytes": "device_memory_usage",
+    "calls": "count",
+}
+
+
+def op_table(prof: profile, sort_by: str | None = None, top: int | None = None, group_by_input_shape: bool = False) -> pd.DataFrame:
+    """The profiler's ``key_averages()`` as a DataFrame (times in microseconds, memory in bytes).
+
+    Columns: name, self/total CPU time, self/total device time, CPU/device memory (self and
+    total), calls, and each op's share of the total self time. Sorted by self device time
+    when the trace has device activity, else by self CPU time.
+    """
+    events = prof.key_averages(group_by_input_shape=group_by_input_shape)
+    rows = [{col: getattr(e, attr, 0) for col, attr in _OP_COLUMNS.items()} for e in events]
+    if group_by_input_shape:
+        for r, e in zip(rows, events):
+            r["input_shapes"] = str(e.input_shapes)
+    df = pd.DataFrame(rows, columns=list(_OP_COLUMNS) + (["input_shapes"] if group_by_input_shape else []))
+    for kind in ("cpu", "device"):
+        total = df[f"self_{kind}_us"].sum()
+        df[f"self_{kind}_pct"] = 100.0 * df[f"self_{kind}_us"] / total if total > 0 else 0.0
+    if sort_by is None:
+        sort_by = "self_device_us" if df["self_device_us"].sum() > 0 else "self_cpu_us"
+    if sort_by not in df.columns:
+        raise ValueError(f"sort_by must be one of {list(df.columns)}, got {sort_by!r}")
+    df = df.sort_values(sort_by, ascending=False, ignore_index=True)
+    return df.head(top) if top else df

@@ -1,0 +1,196 @@
+"""Read profiler traces with Holistic Trace Analysis (HTA) and return its answers as DataFrames.
+
+``analyze(trace_dir)`` runs HTA's analyses on every rank in the folder. HTA's GPU analyses
+need GPU kernels in the trace: on a CPU run they are skipped with a plain notice, and the
+result carries a breakdown of CPU operators instead, so a notebook has something true to show
+on any machine. HTA draws plotly charts; we ask it for DataFrames only and plot them with
+``ddpm_core.plots``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+GPU_ONLY_NOTICE = (
+    "This trace has no GPU kernels (a CPU run), so HTA's GPU analyses - temporal breakdown, "
+    "kernel breakdown, idle time, kernel launch stats, comm/comp overlap, memory bandwidth - "
+    "do not apply: they need a trace captured on a GPU. `cpu_ops` holds the CPU operator breakdown."
+)
+
+
+class TraceError(ValueError):
+    """A trace folder or file that cannot be analyzed; the message names the path."""
+
+
+@dataclass
+class TraceReport:
+    """HTA's analyses of one run (one folder, one trace per rank)."""
+
+    trace_dir: Path
+    trace_files: dict[int, Path]
+    has_gpu: bool
+    cpu_ops: pd.DataFrame  # rank, name, calls, self_us, total_us, self_pct: always present
+    temporal: pd.DataFrame | None = None  # per rank: idle / compute / non-compute time and shares
+    kernels: pd.DataFrame | None = None  # kernel type (COMPUTATION / COMMUNICATION / MEMORY) shares
+    top_kernels: pd.DataFrame | None = None  # the most time-consuming kernels per rank
+    idle: pd.DataFrame | None = None  # host wait / kernel wait / other wait per rank and stream
+    launch: pd.DataFrame | None = None  # per kernel launch: CPU duration, GPU duration, launch delay
+    overlap: pd.DataFrame | None = None  # comm/comp overlap per rank (multi-rank runs)
+    memory_bw: pd.DataFrame | None = None  # memcpy / memset bandwidth summary
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.trace_files)
+
+    def __str__(self) -> str:
+        lines = [f"trace {self.trace_dir} - ranks {self.ranks}, {'GPU' if self.has_gpu else 'CPU only'}"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def _trace_files(trace_dir: Path) -> list[Path]:
+    return sorted(p for p in trace_dir.iterdir() if p.is_file() and (p.name.endswith(".json") or p.name.endswith(".json.gz")))
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TraceError(f"cannot read trace file {path}: {e}. Fix: delete it and capture the trace again.") from e
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        raise TraceError(f"{path} is not a PyTorch profiler trace (no 'traceEvents'). Fix: keep only profiler traces in the folder.")
+    return trace
+
+
+def _rank_map(trace_dir: Path) -> tuple[dict[int, Path], dict[int, dict]]:
+    """rank -> trace file, from each trace's distributedInfo (files without it get the next free rank)."""
+    if not trace_dir.is_dir():
+        raise TraceError(f"trace folder {trace_dir} does not exist. Fix: pass the out_dir given to ddpm_core.profiling.capture.")
+    files = _trace_files(trace_dir)
+    if not files:
+        raise TraceError(
+            f"no trace files (*.json or *.json.gz) in {trace_dir}. Fix: capture one with "
+            f"ddpm_core.profiling.capture(fn, ..., out_dir={str(trace_dir)!r})."
+        )
+    by_rank: dict[int, Path] = {}
+    traces: dict[int, dict] = {}
+    unranked = []
+    for path in files:
+        trace = _load_json(path)
+        rank = trace.get("distributedInfo", {}).get("rank")
+        if rank is None:
+            unranked.append((path, trace))
+            continue
+        if rank in by_rank:
+            raise TraceError(
+                f"two traces in {trace_dir} claim rank {rank}: {by_rank[rank].name} and {path.name}. "
+                f"Fix: keep one run per folder."
+            )
+        by_rank[int(rank)], traces[int(rank)] = path, trace
+    for path, trace in unranked:
+        rank = max(by_rank, default=-1) + 1
+        by_rank[rank], traces[rank] = path, trace
+    return by_rank, traces
+
+
+def _cpu_op_breakdown(traces: dict[int, dict]) -> pd.DataFrame:
+    """Self and inclusive time of every CPU operator, per rank (self = minus nested operators)."""
+    rows = []
+    for rank, trace in traces.items():
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+                  and not str(e.get("name", "")).startswith("ProfilerStep")]
+        by_thread: dict[tuple, list] = {}
+        for e in events:
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+        for evs in by_thread.values():
+            evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+            stack: list[list] = []  # [end, event, child time]
+            for e in evs:
+                start, dur = e["ts"], e.get("dur", 0)
+                while stack and stack[-1][0] <= start:
+                    end, ev, child = stack.pop()
+                    rows.append((rank, ev["name"], ev.get("dur", 0), ev.get("dur", 0) - child))
+                if stack:
+                    stack[-1][2] += dur
+                stack.append([start + dur, e, 0.0])
+            while stack:
+                end, ev, child = stack.pop()
+                rows.append((rank, ev["name"], ev.get("dur", 0), ev.get("dur", 0) - child))
+    df = pd.DataFrame(rows, columns=["rank", "name", "total_us", "self_us"])
+    if df.empty:
+        return pd.DataFrame(columns=["rank", "name", "calls", "self_us", "total_us", "self_pct"])
+    out = df.groupby(["rank", "name"], as_index=False).agg(
+        calls=("self_us", "size"), self_us=("self_us", "sum"), total_us=("total_us", "sum"))
+    out["self_pct"] = 100 * out["self_us"] / out.groupby("rank")["self_us"].transform("sum")
+    return out.sort_values(["rank", "self_us"], ascending=[True, False], ignore_index=True)
+
+
+def _has_gpu_kernels(traces: dict[int, dict]) -> bool:
+    return any(e.get("cat") == "kernel" for t in traces.values() for e in t["traceEvents"])
+
+
+def analyze(trace_dir: str | Path, verbose: bool = True) -> TraceReport:
+    """Run HTA on every rank's trace in ``trace_dir`` and collect the results as DataFrames.
+
+    Never raises on a valid CPU-only trace (see ``TraceReport.notes``); raises ``TraceError``
+    naming the path for a missing folder, an empty one, or an unreadable file.
+    """
+    trace_dir = Path(trace_dir)
+    files, traces = _rank_map(trace_dir)
+    report = TraceReport(trace_dir=trace_dir, trace_files=files, has_gpu=_has_gpu_kernels(traces),
+                         cpu_ops=_cpu_op_breakdown(traces))
+    if not report.has_gpu:
+        report.notes.append(GPU_ONLY_NOTICE)
+    else:
+        _run_hta(report)
+    if verbose:
+        for n in report.notes:
+            print(n)
+    return report
+
+
+def _run_hta(report: TraceReport) -> None:
+    from hta.trace_analysis import TraceAnalysis
+
+    logging.getLogger("hta").setLevel(logging.WARNING)
+    ranks = report.ranks
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hta = TraceAnalysis(trace_files={r: str(p) for r, p in report.trace_files.items()})
+    except Exception as e:  # noqa: BLE001 - report which folder HTA choked on
+        raise TraceError(f"HTA could not parse the traces in {report.trace_dir}: {type(e).__name__}: {e}") from e
+
+    def attempt(what: str, call):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return call()
+        except Exception as e:  # noqa: BLE001 - one failed analysis must not hide the others
+            report.notes.append(f"HTA {what} failed on this trace: {type(e).__name__}: {e}")
+            return None
+
+    report.temporal = attempt("temporal breakdown", lambda: hta.get_temporal_breakdown(visualize=False))
+    kernels = attempt("kernel breakdown", lambda: hta.get_gpu_kernel_breakdown(visualize=False, num_kernels=10))
+    if kernels is not None:
+        report.kernels, report.top_kernels = kernels
+    idle = attempt("idle time breakdown", lambda: hta.get_idle_time_breakdown(ranks=ranks, visualize=False))
+    if idle is not None:
+        report.idle = idle[0]
+    launch = attempt("kernel launch stats", lambda: hta.get_cuda_kernel_launch_stats(ranks=ranks, visualize=False))
+    if launch is not None:
+        report.launch = pd.concat([df.assign(rank=r) for r, df in launch.items()], ignore_index=True) if launch else None
+    if len(ranks) > 1:
+        report.overlap = attempt("comm/comp overlap", lambda: hta.get_comm_comp_overlap(visualize=False))
+    else:
+        report.notes.append("comm/comp overlap needs a multi-rank (DDP) run; this trace has one rank.")
+    report.memory_bw = attempt("memory bandwidth summary", lambda: hta.get_memory_bw_summary(ranks=ranks))

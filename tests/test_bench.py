@@ -1,0 +1,106 @@
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddpm_core import bench
+from ddpm_core.train import TrainConfig, build
+from helpers import tiny_config
+
+GFLOP_PER_IMAGE = 37.3e9  # forward + backward of the paper's UNet at 32x32
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_count_flops_of_the_paper_training_step_is_37_3_gflop_per_image(attention):
+    t = build(TrainConfig(model="ddpm-cifar10", device="cpu", attention=attention, batch_size=2,
+                          dataset="synthetic", dropout=0.0))
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    per_image = bench.count_flops(t.train_step, x) / 2
+    assert per_image == pytest.approx(GFLOP_PER_IMAGE, rel=0.03)
+    assert t.model.config["attention"] == attention  # counting restored the switch
+    df = bench.flop_breakdown(t.train_step, x)
+    conv = df[df.op.str.contains("convolution")].share.sum()
+    attn = df[df.op.str.contains("bmm|attention")].share.sum()
+    assert 0.95 < conv < 0.99 and 0.01 < attn < 0.03, df
+
+
+def test_sdpa_flops_are_counted_on_this_backend():
+    q, k, v = (torch.randn(2, 1, 256, 64) for _ in range(3))
+    # QK^T and (softmax)V: 2 matmuls of 2*N*N*d FLOPs each, per batch and head
+    assert bench.count_flops(F.scaled_dot_product_attention, q, k, v) == 2 * 2 * (2 * 256 * 256 * 64)
+
+
+def test_counting_a_compiled_trainer_counts_the_eager_step_and_restores_it(tmp_path):
+    t = build(tiny_config(tmp_path))
+    eager = bench.count_flops(t.train_step, torch.zeros(2, 3, 32, 32))
+    sentinel = object()
+    t._loss = sentinel  # stands in for a compiled function
+    t._loss_eager = build(tiny_config(tmp_path))._loss_eager
+    assert bench.count_flops(t.train_step, torch.zeros(2, 3, 32, 32)) == eager
+    assert t._loss is sentinel
+
+
+def test_measure_of_a_10ms_step_reports_10ms_and_times_the_first_call_apart():
+    calls = []
+
+    def step():
+        time.sleep(0.05 if not calls else 0.01)
+        calls.append(1)
+
+    m = bench.measure(step, batch_size=8, warmup=2, iters=15, device="cpu")
+    assert m.median_ms == pytest.approx(10, abs=1.5)
+    assert m.first_ms == pytest.approx(50, abs=10)
+    assert m.images_per_s == pytest.approx(800, rel=0.15)
+    assert len(m.times_ms) == 15 and m.p10_ms <= m.median_ms <= m.p90_ms
+    assert m.mfu is None and m.tflops is None
+
+
+def test_measure_on_cpu_reports_memory_and_tflops_but_no_mfu(tmp_path):
+    t = build(tiny_config(tmp_path))
+    x = torch.rand(8, 3, 32, 32) * 2 - 1
+    flops = bench.count_flops(t.train_step, x)
+    m = bench.measure(t.train_step, x, batch_size=8, warmup=1, iters=2, flops=flops, name="tiny")
+    assert m.tflops == pytest.approx(flops / (m.median_ms / 1e3) / 1e12)
+    assert m.mfu is None and "not reported on CPU" in m.note
+    assert m.peak_memory_bytes is not None and "RSS" in m.memory_kind
+    row = m.row()
+    assert row["name"] == "tiny" and "times_ms" not in row and row["device"] == "cpu"
+    assert "ms/step" in str(m)
+
+
+@pytest.mark.parametrize("name, precision, key, value", [
+    ("NVIDIA H100 80GB HBM3", "bf16", "H100 SXM", 989.4),
+    ("NVIDIA H100 PCIe", "fp16", "H100 PCIe", 756.5),
+    ("NVIDIA H200", "bf16", "H200", 989.4),
+    ("NVIDIA A100-SXM4-40GB", "tf32", "A100", 156.0),
+    ("NVIDIA A10", "fp32", "A10", 31.2),
+    ("NVIDIA L4", "bf16", "L4", 121.0),
+    ("Tesla T4", "fp16", "T4", 65.0),
+    ("NVIDIA GeForce RTX 3090", "bf16", "RTX 3090", 71.0),
+    ("NVIDIA GeForce RTX 4090", "fp32", "RTX 4090", 82.6),
+])
+def test_peak_table_matches_device_names(name, precision, key, value):
+    peak, why = bench.peak_for_name(name, precision)
+    assert peak is not None and peak.device == key and peak.tflops == value and why == ""
+    assert str(peak) == f"{key} {precision} dense peak {value:g} TFLOP/s"
+
+
+def test_mfu_is_left_out_not_guessed():
+    assert bench.peak_for_name("Tesla T4", "bf16")[0] is None
+    peak, why = bench.peak_for_name("Some Future GPU", "bf16")
+    assert peak is None and "not in ddpm_core.bench.PEAK_TFLOPS" in why
+    assert bench.peak_for("cpu", "fp32")[0] is None
+    assert all(set(v) == {"fp32", "tf32", "bf16", "fp16"} for v in bench.PEAK_TFLOPS.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measure_on_cuda_uses_events_and_reports_mfu(tmp_path):
+    t = build(tiny_config(tmp_path, device="cuda", precision="bf16"))
+    x = torch.rand(64, 3, 32, 32, device="cuda") * 2 - 1
+    m = bench.measure(t.train_step, x, batch_size=64, flops=bench.count_flops(t.train_step, x), precision="bf16")
+    assert m.device.startswith("cuda") and m.memory_kind.startswith("peak allocated")
+    assert m.peak_memory_bytes > 0 and m.median_ms > 0
+    peak, _ = bench.peak_for(m.device, "bf16")
+    assert (m.mfu is None) == (peak is None)

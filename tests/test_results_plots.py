@@ -1,0 +1,113 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from ddpm_core import bench, plots, results
+
+
+def _measurement(name="baseline", ms=10.0, bs=8):
+    return bench.Measurement(name=name, device="cpu", device_name="CPU (test)", torch_version=torch.__version__,
+                             batch_size=bs, iters=3, first_ms=ms * 3, median_ms=ms, p10_ms=ms, p90_ms=ms,
+                             images_per_s=bs / ms * 1e3, peak_memory_bytes=2**20, memory_kind="test")
+
+
+def test_results_rows_are_appended_and_read_back_with_their_labels(tmp_path):
+    path = tmp_path / "03_batch_size.csv"
+    results.append("03_batch_size", _measurement().row(), config={"batch_size": 8}, path=path)
+    results.append("03_batch_size", [_measurement("bs16", 15, 16).row()], path=path)
+    df = results.load(path)
+    assert list(df.columns[:6]) == results.ID_COLUMNS
+    assert df["variant"].tolist() == ["baseline", "bs16"] and df["batch_size"].tolist() == [8, 16]
+    assert df["device_name"].tolist() == ["CPU (test)"] * 2 and (df["torch_version"] == torch.__version__).all()
+    assert '"batch_size": 8' in df["config"].iloc[0]
+
+
+def test_results_default_to_the_data_folder_and_missing_files_say_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPM_DATA_DIR", str(tmp_path))
+    p = results.append("nb", {"variant": "a", "images_per_s": 1.0})
+    assert p == tmp_path / "results" / "nb.csv" and len(results.load("nb")) == 1
+    with pytest.raises(FileNotFoundError, match=r"no results file .*other.csv"):
+        results.load("other")
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import sys, time
+    import ddpm_core.results as R
+    import ddpm_core.atomic as A
+    path = sys.argv[1]
+    R.append("nb", [{"variant": f"v{i}", "images_per_s": float(i)} for i in range(3)], path=path)
+    print("first", flush=True)
+
+    def stalling_write(p, text):  # writes half of the new file, then hangs
+        with A.atomic_open(p, "wb") as f:
+            f.write(text.encode()[: len(text) // 2])
+            f.flush()
+            print("writing", flush=True)
+            time.sleep(600)
+
+    R.atomic_write_text = stalling_write
+    R.append("nb", [{"variant": f"w{i}", "images_per_s": float(i)} for i in range(1000)], path=path)
+""")
+
+
+def test_results_csv_is_whole_after_a_writer_is_killed_mid_write(tmp_path):
+    script, path = tmp_path / "writer.py", tmp_path / "nb.csv"
+    script.write_text(_KILLED_WRITER)
+    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "first"
+    assert proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    df = results.load(path)
+    assert df["variant"].tolist() == ["v0", "v1", "v2"]
+
+
+@pytest.fixture
+def figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPM_FIGURES_DIR", str(tmp_path / "figs"))
+    return tmp_path / "figs"
+
+
+def _saved(fig, name, figures):
+    path = plots.savefig(fig, name)
+    plots.plt.close(fig)
+    assert path == figures / name and path.stat().st_size > 5000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return path
+
+
+def test_every_plot_function_writes_a_png(figures):
+    label = "CPU (test) · torch " + torch.__version__
+    runs = pd.DataFrame([_measurement("baseline", 10).row(), _measurement("compiled", 6).row()])
+    _saved(plots.throughput_bars(runs, label=label), "t_bars.png", figures)
+    sweep = pd.DataFrame({"batch_size": [8, 16, 32], "images_per_s": [100, 180, 200], "peak_memory_gib": [1, 2, 4]})
+    _saved(plots.batch_size_lines(sweep, label=label), "t_batch.png", figures)
+    wait = pd.DataFrame({"variant": ["0 workers", "2 workers"], "data_wait_ms": [8, 1], "compute_ms": [10, 10]})
+    _saved(plots.wait_compute_bars(wait, label=label), "t_wait.png", figures)
+    # the column layout of HTA 0.5's get_temporal_breakdown / get_gpu_kernel_breakdown
+    temporal = pd.DataFrame({"rank": [0, 1], "idle_time_pctg": [20, 25], "compute_time_pctg": [75, 70],
+                             "non_compute_time_pctg": [5, 5]})
+    _saved(plots.temporal_breakdown(temporal, label=label), "t_temporal.png", figures)
+    kernels = pd.DataFrame({"kernel_type": ["COMPUTATION", "MEMORY"], "sum": [900, 100], "percentage": [90.0, 10.0]})
+    _saved(plots.kernel_breakdown(kernels, label=label), "t_kernels.png", figures)
+    ops = pd.DataFrame({"name": [f"aten::op{i}" for i in range(12)], "self_cpu_us": range(12, 0, -1),
+                        "self_device_us": [0] * 12})
+    _saved(plots.top_ops(ops, label=label), "t_top.png", figures)
+    scaling = pd.DataFrame({"world_size": [1, 2, 4], "images_per_s": [100, 190, 350]})
+    _saved(plots.scaling_efficiency(scaling, label=label), "t_scaling.png", figures)
+    _saved(plots.image_grid_figure(torch.rand(4, 3, 32, 32) * 2 - 1, title=label), "t_grid.png", figures)
+
+
+def test_savefig_never_writes_to_the_repo_figures_when_the_env_is_set(figures):
+    from ddpm_core.paths import REPO_ROOT
+
+    fig = plots.plt.figure()
+    path = plots.savefig(fig, "probe")
+    assert path == figures / "probe.png" and not (REPO_ROOT / "figures" / "probe.png").exists()
