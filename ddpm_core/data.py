@@ -201,12 +201,14 @@ def make_synthetic(
         for i in tqdm(range(n), desc=f"writing synthetic dataset ({n} PNGs)", disable=not progress, leave=False):
             Image.fromarray(_render_synthetic(rng)).save(tmp / f"{i}.png", optimize=False)
         (tmp / "MANIFEST.json").write_text(json.dumps(manifest))
+        if _synthetic_complete(final, manifest):  # another process (e.g. a DDP rank) finished first
+            return final
         if final.exists():  # stale or incomplete: replace it
             shutil.rmtree(final)
         try:
             os.rename(tmp, final)
         except OSError:
-            if not _synthetic_complete(final, manifest):  # another process did not finish it either
+            if not _synthetic_complete(final, manifest):  # lost a race to a finished copy: fine
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -62,7 +62,12 @@ def save_image_grid(images: torch.Tensor, name: str, title: str | None = None) -
 
 # ------------------------------------------------------------------------------ the series' charts
 def _title(ax, title: str, label: str | None) -> None:
-    ax.set_title(f"{title}\n{label}" if label else title, fontsize=10)
+    """Every chart names what it was measured on: ``label`` (e.g. a reference GPU's), else this machine."""
+    if label is None:
+        from .env import label as this_machine
+
+        label = this_machine()
+    ax.set_title(f"{title}\n{label}", fontsize=10)
 
 
 def _label_bars(ax, bars, fmt: str) -> None:
@@ -72,7 +77,7 @@ def _label_bars(ax, bars, fmt: str) -> None:
                     textcoords="offset points", va="center", fontsize=8)
 
 
-def throughput_bars(df, *, label: str | None, x: str = "variant", y: str = "images_per_s",
+def throughput_bars(df, *, label: str | None = None, x: str = "variant", y: str = "images_per_s",
                     baseline: str | None = None, title: str = "Training throughput") -> "plt.Figure":
     """Horizontal bars of ``y`` per ``x`` with value labels, and the speedup over ``baseline``
     (default: the first row) - a ratio of two measurements in the same table."""
@@ -93,7 +98,7 @@ def throughput_bars(df, *, label: str | None, x: str = "variant", y: str = "imag
     return fig
 
 
-def batch_size_lines(df, *, label: str | None, x: str = "batch_size", y: str = "images_per_s",
+def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: str = "images_per_s",
                      memory: str = "peak_memory_gib", title: str = "Throughput and memory vs batch size") -> "plt.Figure":
     """``y`` against batch size (log2 axis), with peak memory on a second axis."""
     set_style()
@@ -111,7 +116,7 @@ def batch_size_lines(df, *, label: str | None, x: str = "batch_size", y: str = "
     return fig
 
 
-def wait_compute_bars(df, *, label: str | None, x: str = "variant", wait: str = "data_wait_ms",
+def wait_compute_bars(df, *, label: str | None = None, x: str = "variant", wait: str = "data_wait_ms",
                       compute: str = "compute_ms", title: str = "Data wait vs compute per step") -> "plt.Figure":
     """Stacked bars: time per step waiting for data and computing."""
     set_style()
@@ -126,7 +131,7 @@ def wait_compute_bars(df, *, label: str | None, x: str = "variant", wait: str = 
     return fig
 
 
-def temporal_breakdown(temporal, *, label: str | None, title: str = "GPU time: compute, non-compute, idle") -> "plt.Figure":
+def temporal_breakdown(temporal, *, label: str | None = None, title: str = "GPU time: compute, non-compute, idle") -> "plt.Figure":
     """HTA's temporal breakdown (one stacked bar per rank, in % of the profiled time)."""
     set_style()
     parts = [("compute_time_pctg", "compute", "C2"), ("non_compute_time_pctg", "non-compute (memcpy, memset, comms)", "C1"),
@@ -149,7 +154,7 @@ def temporal_breakdown(temporal, *, label: str | None, title: str = "GPU time: c
     return fig
 
 
-def kernel_breakdown(kernels, *, label: str | None, title: str = "GPU kernel time by type") -> "plt.Figure":
+def kernel_breakdown(kernels, *, label: str | None = None, title: str = "GPU kernel time by type") -> "plt.Figure":
     """HTA's kernel-type breakdown (kernel_type, sum, percentage) as bars."""
     set_style()
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(kernels) + 1.6))
@@ -162,7 +167,7 @@ def kernel_breakdown(kernels, *, label: str | None, title: str = "GPU kernel tim
     return fig
 
 
-def top_ops(table, *, label: str | None, n: int = 10, value: str | None = None,
+def top_ops(table, *, label: str | None = None, n: int = 10, value: str | None = None,
             title: str | None = None) -> "plt.Figure":
     """The ``n`` most time-consuming operators of an op table (``profiling.op_table`` or
     ``traces.TraceReport.cpu_ops``), by self device time when present, else self CPU time."""
@@ -180,7 +185,7 @@ def top_ops(table, *, label: str | None, n: int = 10, value: str | None = None,
     return fig
 
 
-def scaling_efficiency(df, *, label: str | None, x: str = "world_size", y: str = "images_per_s",
+def scaling_efficiency(df, *, label: str | None = None, x: str = "world_size", y: str = "images_per_s",
                        title: str = "Scaling with the number of processes") -> "plt.Figure":
     """Throughput against the number of processes, with ideal linear scaling and efficiency labels."""
     set_style()
