@@ -111,3 +111,14 @@ def test_savefig_never_writes_to_the_repo_figures_when_the_env_is_set(figures):
     fig = plots.plt.figure()
     path = plots.savefig(fig, "probe")
     assert path == figures / "probe.png" and not (REPO_ROOT / "figures" / "probe.png").exists()
+
+
+def test_atomic_writes_get_normal_file_permissions(tmp_path):
+    from ddpm_core.atomic import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "f.txt", "x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f.txt").stat().st_mode & 0o777 == 0o644
