@@ -23,7 +23,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
