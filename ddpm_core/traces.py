@@ -21,7 +21,9 @@ import pandas as pd
 GPU_ONLY_NOTICE = (
     "This trace has no GPU kernels (a CPU run), so HTA's GPU analyses - temporal breakdown, "
     "kernel breakdown, idle time, kernel launch stats, comm/comp overlap, memory bandwidth - "
-    "do not apply: they need a trace captured on a GPU. `cpu_ops` holds the CPU operator breakdown."
+    "do not apply: they need a trace captured on a GPU. `cpu_ops` holds the CPU operator breakdown, "
+    "`cpu_temporal` the CPU counterpart of the temporal breakdown, and `op_categories(cpu_ops)` "
+    "the counterpart of the kernel-type breakdown."
 )
 
 
@@ -37,6 +39,7 @@ class TraceReport:
     trace_files: dict[int, Path]
     has_gpu: bool
     cpu_ops: pd.DataFrame  # rank, name, calls, self_us, total_us, self_pct: always present
+    cpu_temporal: pd.DataFrame | None = None  # main thread: compute ops / other ops / outside ops, per rank
     temporal: pd.DataFrame | None = None  # per rank: idle / compute / non-compute time and shares
     kernels: pd.DataFrame | None = None  # kernel type (COMPUTATION / COMMUNICATION / MEMORY) shares
     top_kernels: pd.DataFrame | None = None  # the most time-consuming kernels per rank
@@ -134,6 +137,66 @@ def _cpu_op_breakdown(traces: dict[int, dict]) -> pd.DataFrame:
     return out.sort_values(["rank", "self_us"], ascending=[True, False], ignore_index=True)
 
 
+# How CPU operators map onto the kernel types HTA uses for GPU kernels.
+_COMPUTE_OPS = ("conv", "mm", "matmul", "linear", "scaled_dot_product", "attention")  # lower-case substrings
+_CATEGORIES = [
+    ("convolution", ("conv",)),
+    ("matmul / attention", ("mm", "bmm", "matmul", "linear", "scaled_dot_product", "attention")),
+    ("normalization", ("group_norm", "native_group_norm", "layer_norm", "batch_norm")),
+    ("optimizer", ("Optimizer.", "_foreach", "_fused_adam", "addcdiv", "lerp")),
+    ("copy / fill / memory", ("copy_", "to", "_to_copy", "fill_", "zero_", "empty", "contiguous", "clone", "cat")),
+]
+
+
+def _category(name: str) -> str:
+    op = name.split("::")[-1]
+    for cat, keys in _CATEGORIES:
+        if any(op.startswith(k) or f"_{k}" in op or k in name for k in keys):
+            return cat
+    return "elementwise / other"
+
+
+def op_categories(cpu_ops: pd.DataFrame) -> pd.DataFrame:
+    """CPU operator self time grouped into kinds (convolution, matmul, normalization, ...).
+
+    The CPU counterpart of HTA's kernel-type breakdown, with the same columns (kernel_type,
+    sum, percentage), so the same chart draws both.
+    """
+    df = cpu_ops.assign(kernel_type=cpu_ops["name"].map(_category))
+    out = df.groupby("kernel_type", as_index=False)["self_us"].sum().rename(columns={"self_us": "sum"})
+    out["percentage"] = (100 * out["sum"] / out["sum"].sum()).round(1)
+    return out.sort_values("sum", ascending=False, ignore_index=True)
+
+
+def _cpu_temporal(traces: dict[int, dict]) -> pd.DataFrame:
+    """Per rank, how the profiled steps' wall time on the main thread splits into compute
+    operators (convolutions, matmuls), other operators, and time outside any operator (Python,
+    framework overhead, waiting). The CPU counterpart of HTA's temporal breakdown, same columns."""
+    rows = []
+    for rank, trace in traces.items():
+        evs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        steps = [e for e in evs if str(e.get("name", "")).startswith("ProfilerStep#")]
+        if not steps:
+            continue
+        tid = steps[0].get("tid")
+        ops = sorted((e for e in evs if e.get("cat") == "cpu_op" and e.get("tid") == tid), key=lambda e: (e["ts"], -e.get("dur", 0)))
+        total = sum(s.get("dur", 0) for s in steps)
+        compute = other = 0.0
+        end = -1.0
+        for e in ops:  # top-level operators only: those not nested in the previous top-level one
+            if e["ts"] >= end:
+                end = e["ts"] + e.get("dur", 0)
+                is_compute = any(k in e["name"].lower() for k in _COMPUTE_OPS)  # ConvolutionBackward0 too
+                compute += e.get("dur", 0) if is_compute else 0.0
+                other += 0.0 if is_compute else e.get("dur", 0)
+        idle = max(0.0, total - compute - other)
+        rows.append({"rank": rank, "idle_time(us)": idle, "compute_time(us)": compute, "non_compute_time(us)": other,
+                     "kernel_time(us)": total, "idle_time_pctg": round(100 * idle / total, 2),
+                     "compute_time_pctg": round(100 * compute / total, 2),
+                     "non_compute_time_pctg": round(100 * other / total, 2)})
+    return pd.DataFrame(rows)
+
+
 def _has_gpu_kernels(traces: dict[int, dict]) -> bool:
     return any(e.get("cat") == "kernel" for t in traces.values() for e in t["traceEvents"])
 
@@ -147,7 +210,7 @@ def analyze(trace_dir: str | Path, verbose: bool = True) -> TraceReport:
     trace_dir = Path(trace_dir)
     files, traces = _rank_map(trace_dir)
     report = TraceReport(trace_dir=trace_dir, trace_files=files, has_gpu=_has_gpu_kernels(traces),
-                         cpu_ops=_cpu_op_breakdown(traces))
+                         cpu_ops=_cpu_op_breakdown(traces), cpu_temporal=_cpu_temporal(traces))
     if not report.has_gpu:
         report.notes.append(GPU_ONLY_NOTICE)
     else:

@@ -56,6 +56,11 @@ def test_analyze_on_a_cpu_trace_returns_the_cpu_breakdown_and_the_notice(cpu_cap
     assert "aten::convolution_backward" in ops.head(5)["name"].tolist()
     conv = ops.set_index("name").loc["aten::conv2d"]
     assert conv["total_us"] > conv["self_us"] >= 0  # nested convolution time is not self time
+    temporal = report.cpu_temporal.iloc[0]
+    shares = temporal[["compute_time_pctg", "non_compute_time_pctg", "idle_time_pctg"]]
+    assert shares.sum() == pytest.approx(100, abs=0.1) and temporal["compute_time_pctg"] > 30
+    cats = traces.op_categories(ops)
+    assert cats["kernel_type"].iloc[0] == "convolution" and cats["percentage"].sum() == pytest.approx(100, abs=0.5)
     # HTA itself reads the trace we wrote (rank taken from distributedInfo)
     from hta.trace_analysis import TraceAnalysis
     assert TraceAnalysis(trace_dir=str(cpu_capture.trace_dir)).t.get_ranks() == [0]
