@@ -303,3 +303,39 @@ def preset(name: str, **overrides: Any) -> UNet:
 def count_parameters(model: nn.Module) -> int:
     """Number of trainable parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def layer_table(model: UNet, image_size: int | None = None):
+    """One row per block of the UNet: stage, block types, output shape, parameters.
+
+    Runs one forward pass of a single image to read the output shapes.
+    """
+    import pandas as pd
+
+    size = image_size or model.config["image_size"]
+    rows, hooks = [], []
+
+    def record(stage: str, module: nn.Module):
+        def hook(_m, _inp, out):
+            rows.append({"stage": stage, "block": " + ".join(type(m).__name__ for m in module) if isinstance(module, nn.ModuleList) else type(module).__name__,
+                         "output": "x".join(map(str, out.shape[1:])), "params": count_parameters(module)})
+        return hook
+
+    named = [("time embedding", model.temb), ("input conv", model.conv_in)]
+    named += [(f"down {i}", layers) for i, layers in enumerate(model.down)]
+    named += [("middle", model.mid[0]), ("middle", model.mid[1]), ("middle", model.mid[2])]
+    named += [(f"up {i}", layers) for i, layers in enumerate(model.up)]
+    named += [("output norm + conv", model.conv_out)]
+    for stage, module in named:
+        target = module[-1] if isinstance(module, nn.ModuleList) else module  # output of the last layer
+        hooks.append(target.register_forward_hook(record(stage, module)))
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, model.config["in_channels"], size, size, device=next(model.parameters()).device),
+                  torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device))
+    finally:
+        for h in hooks:
+            h.remove()
+    df = pd.DataFrame(rows)
+    df.loc[df["stage"] == "output norm + conv", "params"] = count_parameters(model.conv_out) + count_parameters(model.norm_out)
+    return df

@@ -202,3 +202,70 @@ def scaling_efficiency(df, *, label: str | None = None, x: str = "world_size", y
     ax.legend(fontsize=8)
     _title(ax, title, label)
     return fig
+
+
+def image_strip(columns: list[tuple[str, torch.Tensor]], *, title: str, label: str | None = None) -> "plt.Figure":
+    """Images in [-1, 1] laid out with one column per (heading, batch): e.g. the forward noising
+    of a few images at increasing t, or snapshots of the reverse process."""
+    rows = columns[0][1].shape[0]
+    fig, axes = plt.subplots(rows, len(columns), figsize=(1.2 * len(columns), 1.2 * rows + 0.8), squeeze=False)
+    for j, (heading, batch) in enumerate(columns):
+        batch = ((batch.detach().float().cpu().clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1).numpy()
+        for i in range(rows):
+            ax = axes[i][j]
+            ax.imshow(batch[i], interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(heading, fontsize=8)
+    if label is None:
+        from .env import label as this_machine
+
+        label = this_machine()
+    fig.suptitle(f"{title}\n{label}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def noise_schedule_figure(diffusion, *, label: str | None = None) -> "plt.Figure":
+    """beta_t, alpha_bar_t and the signal-to-noise ratio alpha_bar / (1 - alpha_bar) against t."""
+    set_style()
+    t = range(diffusion.timesteps)
+    a_bar = diffusion.alphas_cumprod.cpu()
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    axes[0].plot(t, diffusion.betas.cpu())
+    axes[0].set_title(r"$\beta_t$ (linear)")
+    axes[1].plot(t, a_bar, label=r"$\bar\alpha_t$ (signal variance)")
+    axes[1].plot(t, 1 - a_bar, label=r"$1-\bar\alpha_t$ (noise variance)")
+    axes[1].legend(fontsize=8)
+    axes[1].set_title(r"$\bar\alpha_t=\prod_{s\leq t}(1-\beta_s)$")
+    axes[2].semilogy(t, a_bar / (1 - a_bar))
+    axes[2].set_title(r"SNR $=\bar\alpha_t/(1-\bar\alpha_t)$")
+    for ax in axes:
+        ax.set_xlabel("t")
+    if label is None:
+        from .env import label as this_machine
+
+        label = this_machine()
+    fig.suptitle(f"DDPM noise schedule (T = {diffusion.timesteps}), computed on {label}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None = None, smooth: int = 20,
+                title: str = "Training loss") -> "plt.Figure":
+    """Loss against step for one or more runs (raw, faint) with a moving average on top."""
+    import pandas as pd
+
+    set_style()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (name, points) in enumerate(curves.items()):
+        s = pd.Series([v for _, v in points], index=[k for k, _ in points])
+        ax.plot(s.index, s.values, color=f"C{i}", alpha=0.25, lw=0.8)
+        ax.plot(s.index, s.rolling(max(1, min(smooth, len(s) // 3 or 1)), min_periods=1).mean(), color=f"C{i}", label=name)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(r"loss $\|\epsilon-\epsilon_\theta\|^2$")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    _title(ax, title, label)
+    return fig

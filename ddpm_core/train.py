@@ -464,6 +464,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     try:
         t = build(cfg)
         rank0 = t.rank == 0
+        if not cfg.resume and list_checkpoints(cfg.out_dir):
+            raise ValueError(
+                f"{Path(cfg.out_dir) / 'checkpoints'} holds checkpoints of an earlier run, and resume=False "
+                f"would mix a new run with them. Fix: resume=True to continue that run, another out_dir, "
+                f"or delete that folder if you no longer need it."
+            )
         resumed = t.resume_latest(cfg.out_dir) if cfg.resume else None
         if resumed and rank0:
             print(f"resuming from {resumed} (step {t.step})")

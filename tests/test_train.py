@@ -152,6 +152,9 @@ def test_checkpoints_are_pruned_and_a_mismatched_run_is_refused(tmp_path):
     assert ckpt["step"] == 6 and ckpt["config"]["model"] == "tiny"
     with pytest.raises(ValueError, match=r"different run \(batch_size: checkpoint 8 vs config 4\).*another out_dir"):
         train(tiny_config(tmp_path, steps=8, batch_size=4))
+    with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run.*resume=True"):
+        train(tiny_config(tmp_path, steps=8, resume=False))
+    assert len(list_checkpoints(cfg.out_dir)) == 2  # nothing was deleted
 
 
 _SLOW_WRITER = textwrap.dedent("""

@@ -1,0 +1,126 @@
+"""Run the numbered notebooks headless with papermill: the main job, and the notebook tests.
+
+    python -m ddpm_core.series                 # every notebook; smoke mode without a GPU
+    python -m ddpm_core.series 01 02 --smoke   # some of them, smoke mode forced
+
+Each notebook declares the figures it makes in its metadata (``metadata["ddpm"]["figures"]``);
+a run fails if a cell raises or a declared figure was not written. Executed copies go to
+``runs/notebooks/`` (never over the committed, output-free notebooks), figures to ``figures/``
+or ``$DDPM_FIGURES_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .paths import REPO_ROOT, figures_dir
+
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+
+
+class NotebookFailed(RuntimeError):
+    """A notebook raised in a cell or did not write a figure it declares."""
+
+
+@dataclass
+class NotebookRun:
+    notebook: Path
+    executed: Path
+    seconds: float
+    figures: list[Path]
+
+
+def list_notebooks(folder: Path = NOTEBOOKS_DIR) -> list[Path]:
+    """The numbered notebooks (``NN_name.ipynb``) in order."""
+    return sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
+
+
+def declared_figures(notebook: Path) -> list[str]:
+    """The figure file names a notebook declares in ``metadata["ddpm"]["figures"]``."""
+    meta = json.loads(Path(notebook).read_text()).get("metadata", {})
+    return list(meta.get("ddpm", {}).get("figures", []))
+
+
+def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | None = None,
+                 timeout: int = 1800, parameters: dict | None = None) -> NotebookRun:
+    """Execute ``notebook`` into ``out_dir`` and check its declared figures were written.
+
+    Figures go to ``figures`` (default: the figures folder in effect). Raises ``NotebookFailed``
+    naming the cell error or the missing figure.
+    """
+    import papermill as pm
+
+    notebook, out_dir = Path(notebook), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = Path(figures) if figures is not None else figures_dir()
+    executed = out_dir / notebook.name
+    env_backup = {k: os.environ.get(k) for k in ("DDPM_SMOKE", "DDPM_FIGURES_DIR")}
+    os.environ["DDPM_SMOKE"] = "1" if smoke else "0"
+    os.environ["DDPM_FIGURES_DIR"] = str(figures)
+    expected = declared_figures(notebook)
+    before = {name: (figures / name).stat().st_mtime_ns if (figures / name).exists() else None for name in expected}
+    start = time.perf_counter()
+    try:
+        pm.execute_notebook(str(notebook), str(executed), parameters=parameters or {}, cwd=str(notebook.parent),
+                            kernel_name="python3", progress_bar=False, execution_timeout=timeout)
+    except pm.PapermillExecutionError as e:
+        raise NotebookFailed(f"{notebook.name}: cell {e.exec_count} raised {e.ename}: {e.evalue} "
+                             f"(executed copy: {executed})") from e
+    finally:
+        for k, v in env_backup.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    seconds = time.perf_counter() - start
+    missing = [n for n in expected if not (figures / n).exists() or (figures / n).stat().st_mtime_ns == before[n]]
+    if missing:
+        raise NotebookFailed(f"{notebook.name} declares figures it did not write in {figures}: {', '.join(missing)}")
+    return NotebookRun(notebook, executed, seconds, [figures / n for n in expected])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddpm_core.series", description=__doc__.split("\n\n")[0])
+    p.add_argument("only", nargs="*", help="notebook number prefixes to run (default: all)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="force smoke mode")
+    mode.add_argument("--full", action="store_true", help="force full mode (slow without a GPU)")
+    p.add_argument("--out", default=str(REPO_ROOT / "runs" / "notebooks"), help="where executed copies go")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if args.smoke or args.full:
+        smoke = args.smoke
+        why = "as asked"
+    elif os.environ.get("DDPM_SMOKE") in ("0", "1"):
+        smoke = os.environ["DDPM_SMOKE"] == "1"
+        why = "from DDPM_SMOKE"
+    else:
+        smoke = not torch.cuda.is_available()
+        why = "no GPU found, so the series runs shrunk to finish in minutes" if smoke else "a GPU is present"
+    notebooks = [nb for nb in list_notebooks() if not args.only or any(nb.name.startswith(o) for o in args.only)]
+    if not notebooks:
+        print(f"no notebooks match {args.only} in {NOTEBOOKS_DIR}", file=sys.stderr)
+        return 2
+    print(f"mode: {'SMOKE' if smoke else 'FULL'} ({why}); {len(notebooks)} notebooks; "
+          f"figures -> {figures_dir()}; executed copies -> {args.out}", flush=True)
+    for nb in notebooks:
+        print(f"running {nb.name} ...", flush=True)
+        try:
+            run = run_notebook(nb, Path(args.out), smoke=smoke)
+        except NotebookFailed as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+        print(f"  done in {run.seconds:.0f} s: {', '.join(f.name for f in run.figures) or 'no figures'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
