@@ -4,12 +4,6 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-# Main job (until the notebooks land): a short CPU-friendly training run of the tiny preset
-# that writes a grid of samples to figures/quickstart_samples.png.
-RUN_ARGS ?= --model tiny --dataset auto --steps 300 --batch-size 32 --lr 1e-3 --warmup-steps 50 \
-            --ema-decay 0.99 --checkpoint-every 100 --out-dir runs/quickstart \
-            --sample-grid figures/quickstart_samples.png --samples 64 --sample-steps 100
-
 .PHONY: setup run test lab cifar10 clean
 
 $(STAMP): pyproject.toml
@@ -21,8 +15,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)          ## create .venv and install the project with its dev tools
 
-run: $(STAMP)            ## the main job
-	$(PY) -m ddpm_core.train $(RUN_ARGS)
+run: $(STAMP)            ## the main job: every numbered notebook, headless (smoke mode without a GPU)
+	$(PY) -m ddpm_core.series
 
 test: $(STAMP)           ## the test suite (CPU; GPU tests are skipped without a GPU)
 	$(PY) -m pytest

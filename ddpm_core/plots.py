@@ -154,7 +154,8 @@ def temporal_breakdown(temporal, *, label: str | None = None, title: str = "GPU 
     return fig
 
 
-def kernel_breakdown(kernels, *, label: str | None = None, title: str = "GPU kernel time by type") -> "plt.Figure":
+def kernel_breakdown(kernels, *, label: str | None = None, title: str = "GPU kernel time by type",
+                     xlabel: str = "% of kernel time") -> "plt.Figure":
     """HTA's kernel-type breakdown (kernel_type, sum, percentage) as bars."""
     set_style()
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(kernels) + 1.6))
@@ -162,7 +163,7 @@ def kernel_breakdown(kernels, *, label: str | None = None, title: str = "GPU ker
     ax.invert_yaxis()
     _label_bars(ax, bars, "{:.1f}%")
     ax.set_xlim(0, 110)
-    ax.set_xlabel("% of kernel time")
+    ax.set_xlabel(xlabel)
     _title(ax, title, label)
     return fig
 

@@ -1,0 +1,72 @@
+"""Every numbered notebook runs top to bottom in smoke mode and writes the figures it declares."""
+
+import json
+
+import nbformat
+import pytest
+
+from ddpm_core import series
+
+NOTEBOOKS = series.list_notebooks()
+
+
+def test_the_series_has_its_first_notebooks():
+    names = [nb.name for nb in NOTEBOOKS]
+    assert names[:3] == ["00_setup.ipynb", "01_build_the_ddpm.ipynb", "02_profile_the_baseline.ipynb"]
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_clean_and_follows_the_pattern(nb):
+    book = nbformat.read(nb, as_version=4)
+    nbformat.validate(book)
+    code = [c for c in book.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "commit notebooks without outputs"
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1 and 'SMOKE = os.environ.get("DDPM_SMOKE") == "1"' in params[0].source
+    first = book.cells[0].source
+    assert first.startswith("# ") and "What you will learn" in first and "Run time" in first and "Figures" in first
+    assert "env.label(" in "".join(c.source for c in code)  # the environment cell
+    text = "\n".join(c.source for c in book.cells)
+    for heading in ("## Summary", "## Takeaways", "## Exercises", "**Next:**"):
+        assert heading in text, heading
+    prefix = nb.name[:2]
+    figures = series.declared_figures(nb)
+    assert figures and all(f.startswith(prefix + "_") and f in text for f in figures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_in_smoke_mode_and_writes_its_figures(nb, tmp_path):
+    figures = tmp_path / "figures"
+    run = series.run_notebook(nb, tmp_path / "executed", smoke=True, figures=figures, timeout=600)
+    assert run.executed.exists() and run.executed.parent != nb.parent
+    for f in series.declared_figures(nb):
+        assert (figures / f).stat().st_size > 5000, f
+
+
+def _notebook(tmp_path, source: str, figures: list[str]):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                   "ddpm": {"figures": figures}}
+    path = tmp_path / "99_probe.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_the_harness_fails_a_notebook_whose_cell_raises(tmp_path):
+    nb = _notebook(tmp_path, "raise RuntimeError('broken on purpose')", [])
+    with pytest.raises(series.NotebookFailed, match=r"99_probe.ipynb: cell 1 raised RuntimeError: broken on purpose"):
+        series.run_notebook(nb, tmp_path / "out", smoke=True, figures=tmp_path / "figs")
+
+
+def test_the_harness_fails_a_notebook_that_skips_a_declared_figure(tmp_path):
+    src = ("import os, pathlib\n"
+           "d = pathlib.Path(os.environ['DDPM_FIGURES_DIR']); d.mkdir(parents=True, exist_ok=True)\n"
+           "(d / '99_made.png').write_bytes(b'png')")
+    nb = _notebook(tmp_path, src, ["99_made.png", "99_forgotten.png"])
+    with pytest.raises(series.NotebookFailed, match=r"did not write .*: 99_forgotten.png$"):
+        series.run_notebook(nb, tmp_path / "out", smoke=True, figures=tmp_path / "figs")
+    (tmp_path / "figs" / "99_forgotten.png").write_bytes(b"stale")  # an old file does not count either
+    with pytest.raises(series.NotebookFailed, match="99_forgotten.png"):
+        series.run_notebook(nb, tmp_path / "out", smoke=True, figures=tmp_path / "figs")
+    assert json.loads((tmp_path / "out" / "99_probe.ipynb").read_text())["cells"]
