@@ -347,3 +347,44 @@ def measure(
         else:
             m.note = why
     return m
+
+
+# ------------------------------------------------------------------------------ tables and limits
+def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.DataFrame":
+    """The Summary table every notebook ends with: variant, ms/step, img/s, speedup over
+    ``measurements[baseline]`` (a ratio of two measurements of this run), peak memory, MFU with
+    the peak it divides by, device."""
+    import pandas as pd
+
+    base = measurements[baseline]
+    rows = []
+    for m in measurements:
+        rows.append({
+            "variant": m.name,
+            "batch": m.batch_size,
+            "ms/step": round(m.median_ms, 2),
+            "img/s": round(m.images_per_s, 1),
+            "speedup": f"{m.images_per_s / base.images_per_s:.2f}x",
+            "peak memory (MiB)": None if m.peak_memory_bytes is None else round(m.peak_memory_bytes / 2**20),
+            "TFLOP/s": None if m.tflops is None else round(m.tflops, 3),
+            "MFU": f"{100 * m.mfu:.1f}% of {m.peak}" if m.mfu is not None else (m.note or "n/a"),
+            "device": m.device_name,
+        })
+    return pd.DataFrame(rows)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is the device running out of memory (CUDA OOM, or the CPU allocator failing)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and ("out of memory" in str(err).lower() or "can't allocate memory" in str(err).lower())
+
+
+def free_memory(device: torch.device | str | None = None) -> None:
+    """Give cached device memory back after an out-of-memory error, so the kernel lives on."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()

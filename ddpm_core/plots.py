@@ -99,10 +99,14 @@ def throughput_bars(df, *, label: str | None = None, x: str = "variant", y: str 
 
 
 def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: str = "images_per_s",
-                     memory: str = "peak_memory_gib", title: str = "Throughput and memory vs batch size") -> "plt.Figure":
-    """``y`` against batch size (log2 axis), with peak memory on a second axis."""
+                     memory: str = "peak_memory_gib", step_time: str = "median_ms",
+                     title: str = "Throughput, step time and memory vs batch size") -> "plt.Figure":
+    """Left: ``y`` against batch size (log2 axis) with peak memory on a second axis.
+    Right: time per step against batch size (when the frame has ``step_time``)."""
     set_style()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    panels = 2 if step_time in df else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot(df[x], df[y], marker="o", color="C0", label="images / s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
@@ -112,7 +116,21 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
         ax2.plot(df[x], df[memory], marker="s", ls="--", color="C1", label="peak memory")
         ax2.set_ylabel("peak memory (GiB)", color="C1")
         ax2.grid(False)
-    _title(ax, title, label)
+    ax.set_title("throughput (solid) and peak memory (dashed)", fontsize=9)
+    if panels == 2:
+        axt = axes[0][1]
+        axt.plot(df[x], df[step_time], marker="o", color="C2")
+        axt.set_xscale("log", base=2)
+        axt.set_yscale("log")
+        axt.set_xlabel("batch size")
+        axt.set_ylabel("ms per step")
+        axt.set_title("time per step", fontsize=9)
+    if label is None:
+        from .env import label as this_machine
+
+        label = this_machine()
+    fig.suptitle(f"{title}\n{label}", fontsize=10)
+    fig.tight_layout()
     return fig
 
 
