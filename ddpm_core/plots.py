@@ -288,3 +288,46 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
     ax.legend(fontsize=8)
     _title(ax, title, label)
     return fig
+
+
+def compile_breakeven(rows, *, label: str | None = None, steps: int | None = None,
+                      title: str = "torch.compile: steady-state speed and when it pays off") -> "plt.Figure":
+    """Left: steady-state ms/step per variant with speedup over the first (eager). Right: total
+    time against the number of steps, first call (compilation) included, with break-even points.
+
+    ``rows``: a DataFrame with name, first_ms and median_ms (``Measurement.row()`` rows)."""
+    import numpy as np
+
+    set_style()
+    rows = rows.reset_index(drop=True)
+    base = rows.iloc[0]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    bars = ax.barh(rows["name"], rows["median_ms"], color=[f"C{i}" for i in range(len(rows))])
+    ax.invert_yaxis()
+    for b, v in zip(bars, rows["median_ms"]):
+        ax.annotate(f"{v:.1f} ms ({base['median_ms'] / v:.2f}x)", (b.get_width(), b.get_y() + b.get_height() / 2),
+                    xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    ax.set_xlim(0, rows["median_ms"].max() * 1.45)
+    ax.set_xlabel("ms per step (steady state)")
+    evens = [(r["first_ms"] - base["first_ms"]) / (base["median_ms"] - r["median_ms"])
+             for _, r in rows.iloc[1:].iterrows() if r["median_ms"] < base["median_ms"]]
+    horizon = steps or int(max([50.0] + [2.0 * e for e in evens if np.isfinite(e)]))
+    n = np.linspace(0, horizon, 200)
+    for i, r in rows.iterrows():
+        ax2.plot(n, (r["first_ms"] + n * r["median_ms"]) / 1e3, color=f"C{i}", label=r["name"])
+        if i and r["median_ms"] < base["median_ms"]:
+            e = (r["first_ms"] - base["first_ms"]) / (base["median_ms"] - r["median_ms"])
+            if 0 < e <= horizon:
+                ax2.axvline(e, color=f"C{i}", ls=":", lw=1)
+                ax2.annotate(f"pays off after {e:,.0f} steps", (e, (r["first_ms"] + e * r["median_ms"]) / 1e3),
+                             xytext=(4, -12), textcoords="offset points", fontsize=8, color=f"C{i}")
+    ax2.set_xlabel("training steps")
+    ax2.set_ylabel("total time (s), compilation included")
+    ax2.legend(fontsize=8)
+    if label is None:
+        from .env import label as this_machine
+
+        label = this_machine()
+    fig.suptitle(f"{title}\n{label}", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -257,3 +257,20 @@ def _run_hta(report: TraceReport) -> None:
     else:
         report.notes.append("comm/comp overlap needs a multi-rank (DDP) run; this trace has one rank.")
     report.memory_bw = attempt("memory bandwidth summary", lambda: hta.get_memory_bw_summary(ranks=ranks))
+
+
+def events_per_step(trace_dir: str | Path) -> pd.DataFrame:
+    """Per rank: profiled steps, and GPU kernels and CPU operators launched per step.
+
+    Fusion shows up here: ``torch.compile`` turns many small elementwise kernels into a few.
+    """
+    files, raw = _rank_map(Path(trace_dir))
+    rows = []
+    for rank, trace in raw.items():
+        evs = trace["traceEvents"]
+        steps = sum(1 for e in evs if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#"))
+        kernels = sum(1 for e in evs if e.get("cat") == "kernel")
+        ops = sum(1 for e in evs if e.get("cat") == "cpu_op")
+        rows.append({"rank": rank, "steps": steps, "gpu_kernels_per_step": kernels / max(steps, 1),
+                     "cpu_ops_per_step": ops / max(steps, 1)})
+    return pd.DataFrame(rows)
