@@ -388,3 +388,56 @@ def free_memory(device: torch.device | str | None = None) -> None:
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+def largest_batch(step: Callable[[int], Any], start: int, max_batch: int, device: torch.device | str | None = None) -> tuple[int | None, bool]:
+    """Double the batch from ``start`` while ``step(batch)`` runs; return (largest that ran, hit OOM).
+
+    ``step(b)`` should build its input and run one training step at batch ``b``. Out-of-memory
+    errors are caught and the cache is freed, so the caller's process survives.
+    """
+    best, b = None, start
+    while b <= max_batch:
+        try:
+            step(b)
+        except Exception as e:  # noqa: BLE001 - only OOM is expected; anything else is re-raised
+            if not is_out_of_memory(e):
+                raise
+            del e
+            free_memory(device)
+            return best, True
+        best, b = b, b * 2
+    free_memory(device)
+    return best, False
+
+
+def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "pd.DataFrame":
+    """Which ``scaled_dot_product_attention`` backends accept these inputs, and which one the
+    dispatcher picks by default. Each backend is forced with ``torch.nn.attention.sdpa_kernel``;
+    the reason a backend refuses (dtype, head size, device) is kept."""
+    import warnings
+
+    import pandas as pd
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {int(getattr(SDPBackend, n)): n for n in ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")}
+    try:
+        chosen = names.get(int(torch._fused_sdp_choice(q, k, v)), "unknown")
+    except Exception as e:  # noqa: BLE001 - a private helper; report rather than fail
+        chosen = f"unknown ({type(e).__name__})"
+    rows = []
+    for code, name in names.items():
+        try:
+            with warnings.catch_warnings(record=True) as caught, sdpa_kernel(getattr(SDPBackend, name)):
+                warnings.simplefilter("always")
+                F.scaled_dot_product_attention(q, k, v)
+            ok, why = True, ""
+        except RuntimeError as e:
+            ok = False
+            why = " ".join(str(w.message) for w in caught)
+            if not why:
+                why = (f"no {name} kernel for {q.device.type} inputs" if "No viable backend" in str(e) and q.device.type == "cpu"
+                       else str(e).splitlines()[0])
+        rows.append({"backend": name, "runs": ok, "default choice": name == chosen, "why not": why[:200]})
+    return pd.DataFrame(rows)

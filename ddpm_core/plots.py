@@ -331,3 +331,39 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
     fig.suptitle(f"{title}\n{label}", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def sdpa_figure(model_rows, micro, *, label: str | None = None,
+                title: str = "Math attention vs scaled_dot_product_attention") -> "plt.Figure":
+    """Left: full-model step time per variant. Middle and right: attention alone (forward +
+    backward) against sequence length: time and peak memory, for each implementation.
+
+    ``model_rows``: name, median_ms. ``micro``: impl, seq_len, median_ms, peak_memory_mib."""
+    set_style()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    rows = model_rows.reset_index(drop=True)
+    bars = ax.barh(rows["name"], rows["median_ms"], color=[f"C{i}" for i in range(len(rows))])
+    ax.invert_yaxis()
+    for b, v in zip(bars, rows["median_ms"]):
+        ax.annotate(f"{v:.1f} ms", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    ax.set_xlim(0, rows["median_ms"].max() * 1.3)
+    ax.set_xlabel("ms per training step (full model)")
+    ax.set_title("whole training step", fontsize=9)
+    for i, (impl, g) in enumerate(micro.groupby("impl", sort=False)):
+        axes[1].loglog(g["seq_len"], g["median_ms"], marker="o", color=f"C{i}", label=impl)
+        axes[2].loglog(g["seq_len"], g["peak_memory_mib"], marker="o", color=f"C{i}", label=impl)
+    for a, what in ((axes[1], "ms, forward + backward"), (axes[2], "peak memory (MiB)")):
+        a.set_xlabel("sequence length N (tokens = H x W)")
+        a.set_ylabel(what)
+        a.legend(fontsize=8)
+    axes[1].set_title("attention alone: time", fontsize=9)
+    axes[2].set_title("attention alone: memory (the N x N score matrix)", fontsize=9)
+    if label is None:
+        from .env import label as this_machine
+
+        label = this_machine()
+    fig.suptitle(f"{title}\n{label}", fontsize=10)
+    fig.tight_layout()
+    return fig
