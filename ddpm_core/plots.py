@@ -278,10 +278,12 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
 
     set_style()
     fig, ax = plt.subplots(figsize=(7, 4))
+    styles = ["-", "--", "-.", ":"]
     for i, (name, points) in enumerate(curves.items()):
         s = pd.Series([v for _, v in points], index=[k for k, _ in points])
         ax.plot(s.index, s.values, color=f"C{i}", alpha=0.25, lw=0.8)
-        ax.plot(s.index, s.rolling(max(1, min(smooth, len(s) // 3 or 1)), min_periods=1).mean(), color=f"C{i}", label=name)
+        ax.plot(s.index, s.rolling(max(1, min(smooth, len(s) // 3 or 1)), min_periods=1).mean(), color=f"C{i}",
+                ls=styles[i % len(styles)], label=name)  # distinct styles: overlapping curves stay visible
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(r"loss $\|\epsilon-\epsilon_\theta\|^2$")
     ax.set_yscale("log")
@@ -360,6 +362,40 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
         a.legend(fontsize=8)
     axes[1].set_title("attention alone: time", fontsize=9)
     axes[2].set_title("attention alone: memory (the N x N score matrix)", fontsize=9)
+    if label is None:
+        from .env import label as this_machine
+
+        label = this_machine()
+    fig.suptitle(f"{title}\n{label}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", title: str = "Throughput and memory") -> "plt.Figure":
+    """Two panels per variant: images/s with the speedup over the first row, and peak memory."""
+    set_style()
+    rows = rows.reset_index(drop=True)
+    base = rows["images_per_s"].iloc[0]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 2))
+    colors = [f"C{i}" for i in range(len(rows))]
+    bars = ax.barh(rows[x], rows["images_per_s"], color=colors)
+    for b, v in zip(bars, rows["images_per_s"]):
+        ax.annotate(f"{v:,.0f} ({v / base:.2f}x)", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    ax.set_xlim(0, rows["images_per_s"].max() * 1.35)
+    ax.set_xlabel("images / s")
+    mib = rows["peak_memory_bytes"] / 2**20
+    bars = ax2.barh(rows[x], mib, color=colors)
+    for b, v in zip(bars, mib):
+        ax2.annotate(f"{v:,.0f} MiB", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
+                     textcoords="offset points", va="center", fontsize=8)
+    ax2.set_xlim(0, max(mib.max(), 1) * 1.35)
+    kind = rows["memory_kind"].iloc[0] if "memory_kind" in rows else ""
+    ax2.set_xlabel(f"peak memory (MiB; {kind})" if kind else "peak memory (MiB)")
+    if "RSS" in kind:  # the CPU allocator keeps memory freed by earlier variants: growth is a lower bound
+        ax2.set_title("CPU: growth of the process's resident memory, a lower bound\n(memory freed by an earlier variant is reused)", fontsize=8)
+    for a in (ax, ax2):
+        a.invert_yaxis()
     if label is None:
         from .env import label as this_machine
 

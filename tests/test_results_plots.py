@@ -121,3 +121,28 @@ def test_atomic_writes_get_normal_file_permissions(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "f.txt").stat().st_mode & 0o777 == 0o644
+
+
+def test_the_series_charts_write_pngs(figures):
+    import numpy as np
+
+    rows = pd.DataFrame([{**_measurement("eager", 10).row(), "first_ms": 30.0},
+                         {**_measurement("compiled", 6).row(), "first_ms": 5000.0}])
+    _saved(plots.compile_breakeven(rows), "t_compile.png", figures)
+    _saved(plots.throughput_memory_bars(rows), "t_tm.png", figures)
+    micro = pd.DataFrame({"impl": ["math", "math", "sdpa", "sdpa"], "seq_len": [256, 1024] * 2,
+                          "median_ms": [1, 10, 1, 4], "peak_memory_mib": [1, 16, 0.1, 0.4]})
+    _saved(plots.sdpa_figure(rows, micro), "t_sdpa.png", figures)
+    _saved(plots.loss_curves({"a": [(i, 1 / i) for i in range(1, 30)], "b": [(i, 1.1 / i) for i in range(1, 30)]}), "t_loss.png", figures)
+    from ddpm_core.diffusion import GaussianDiffusion
+    _saved(plots.noise_schedule_figure(GaussianDiffusion()), "t_schedule.png", figures)
+    _saved(plots.image_strip([("t=0", torch.zeros(2, 3, 32, 32)), ("t=1", torch.ones(2, 3, 32, 32))], title="strip"), "t_strip.png", figures)
+    assert np.isfinite(rows["median_ms"]).all()
+
+
+def test_summary_table_reports_speedups_from_the_same_table():
+    table = bench.summary_table([_measurement("base", 10), _measurement("fast", 5)])
+    assert table["speedup"].tolist() == ["1.00x", "2.00x"]
+    assert list(table.columns[:5]) == ["variant", "batch", "ms/step", "img/s", "speedup"]
+    assert bench.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not bench.is_out_of_memory(ValueError("x"))
