@@ -104,3 +104,22 @@ def test_measure_on_cuda_uses_events_and_reports_mfu(tmp_path):
     assert m.peak_memory_bytes > 0 and m.median_ms > 0
     peak, _ = bench.peak_for(m.device, "bf16")
     assert (m.mfu is None) == (peak is None)
+
+
+def test_largest_batch_stops_at_out_of_memory_and_survives():
+    def step(b):
+        if b > 64:
+            raise torch.OutOfMemoryError(f"CUDA out of memory at batch {b}")
+    assert bench.largest_batch(step, 8, 4096, "cpu") == (64, True)
+    assert bench.largest_batch(lambda b: None, 8, 32, "cpu") == (32, False)
+    with pytest.raises(ValueError):
+        bench.largest_batch(lambda b: (_ for _ in ()).throw(ValueError("a bug, not OOM")), 8, 32, "cpu")
+
+
+def test_sdpa_backends_names_the_default_and_math_always_runs():
+    q = torch.randn(1, 1, 16, 8)
+    df = bench.sdpa_backends(q, q, q)
+    assert set(df["backend"]) == {"MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"}
+    assert df.set_index("backend").loc["MATH", "runs"]
+    assert df["default choice"].sum() == 1 and df.loc[df["default choice"], "runs"].all()
+    assert (df.loc[~df["runs"], "why not"].str.len() > 0).all()
