@@ -445,11 +445,39 @@ def _init_distributed(cfg: TrainConfig) -> bool:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1). Returns True if it did."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return False
+    from datetime import timedelta
+
     use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun keeps one key-value store across restarts. A restarted group would read the
+    # addresses the killed workers left there and fail to connect, so every attempt gets its
+    # own key prefix.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=(not agent_store and rank == 0), timeout=timedelta(minutes=10))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.PrefixStore(f"ddpm/attempt-{attempt}", store),
+                            rank=rank, world_size=world)
     return True
+
+
+def _fault_injection(rank: int) -> int | None:
+    """The step at which this process kills itself, for fault-tolerance demos and tests.
+
+    ``DDPM_KILL_AT="<rank>:<step>"`` kills that rank with SIGKILL right after that step, on the
+    first attempt only (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), so a restarted group
+    resumes from its last checkpoint and finishes.
+    """
+    spec = os.environ.get("DDPM_KILL_AT")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None
+    try:
+        r, s = (int(v) for v in spec.split(":"))
+    except ValueError as e:
+        raise ValueError(f"DDPM_KILL_AT must look like '<rank>:<step>', e.g. '1:6'; got {spec!r}") from e
+    return s if r == rank else None
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -484,6 +512,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         pending: list[tuple[int, torch.Tensor]] = []
         bar = tqdm(total=cfg.steps, initial=min(t.step, cfg.steps), desc="training",
                    disable=not (cfg.progress and rank0), dynamic_ncols=True)
+        kill_at = _fault_injection(t.rank)
         while t.step < cfg.steps:
             epoch, offset = divmod(t.step, len(loader))
             loader.set_epoch(epoch, offset)
@@ -498,6 +527,9 @@ def train(cfg: TrainConfig) -> TrainResult:
                     bar.set_postfix(loss=f"{values[-1]:.4f}", epoch=epoch)
                 if t.step % cfg.checkpoint_every == 0 or done:
                     t.save_checkpoint(cfg.out_dir)
+                if t.step == kill_at:
+                    print(f"rank {t.rank}: killed at step {t.step} on purpose (DDPM_KILL_AT)", flush=True)
+                    os.kill(os.getpid(), 9)
                 if done:
                     break
         bar.close()
