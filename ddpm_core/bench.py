@@ -441,3 +441,46 @@ def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "pd.Data
                        else str(e).splitlines()[0])
         rows.append({"backend": name, "runs": ok, "default choice": name == chosen, "why not": why[:200]})
     return pd.DataFrame(rows)
+
+
+def loader_timing(loader: Any, step: Callable[[torch.Tensor], Any], steps: int, warmup: int = 2,
+                  device: torch.device | str | None = None) -> dict[str, float]:
+    """Run ``step(batch)`` on ``steps`` batches of ``loader`` and split each step's wall time into
+    waiting for the batch (``next()``, host-to-device copy included) and computing on it.
+
+    Both sides are synchronized with the device. The first ``warmup`` batches (worker start-up,
+    first-call costs) are not counted. Returns mean data-wait and compute ms per step, the share
+    of time waiting, and images/s over the counted steps.
+    """
+    device = torch.device(device) if device is not None else getattr(loader, "device", torch.device("cpu"))
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    epoch, it = 0, iter(loader)
+    wait = compute = 0.0
+    images = 0
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        try:
+            x = next(it)
+        except StopIteration:
+            epoch += 1
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            it = iter(loader)
+            x = next(it)
+        sync()
+        t1 = time.perf_counter()
+        step(x)
+        sync()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            wait += t1 - t0
+            compute += t2 - t1
+            images += x.shape[0]
+    total = wait + compute
+    return {"data_wait_ms": 1e3 * wait / steps, "compute_ms": 1e3 * compute / steps,
+            "wait_share": wait / total if total else 0.0, "images_per_s": images / total if total else 0.0}

@@ -123,6 +123,24 @@ class CIFAR10Images(Dataset):
         return self.images
 
 
+class InMemoryImages(Dataset):
+    """A uint8 N x 3 x H x W tensor as a dataset: no decoding, the fastest host-side source."""
+
+    def __init__(self, images: torch.Tensor):
+        if images.dtype != torch.uint8 or images.ndim != 4:
+            raise ValueError(f"InMemoryImages needs a uint8 N x C x H x W tensor, got {images.dtype} {tuple(images.shape)}")
+        self.images = images
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.images[index]
+
+    def as_tensor(self) -> torch.Tensor:
+        return self.images
+
+
 def _cifar10_present(root: Path) -> bool:
     return (root / "cifar-10-batches-py" / "data_batch_1").exists()
 

@@ -123,3 +123,17 @@ def test_sdpa_backends_names_the_default_and_math_always_runs():
     assert df.set_index("backend").loc["MATH", "runs"]
     assert df["default choice"].sum() == 1 and df.loc[df["default choice"], "runs"].all()
     assert (df.loc[~df["runs"], "why not"].str.len() > 0).all()
+
+
+def test_loader_timing_splits_waiting_from_computing():
+    class SlowLoader:
+        device = torch.device("cpu")
+
+        def __iter__(self):
+            for _ in range(100):
+                time.sleep(0.02)
+                yield torch.zeros(4, 3, 2, 2)
+
+    r = bench.loader_timing(SlowLoader(), lambda x: time.sleep(0.01), steps=5, warmup=1)
+    assert r["data_wait_ms"] == pytest.approx(20, abs=5) and r["compute_ms"] == pytest.approx(10, abs=5)
+    assert r["wait_share"] == pytest.approx(2 / 3, abs=0.1) and r["images_per_s"] == pytest.approx(4 / 0.03, rel=0.2)
