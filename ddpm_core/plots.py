@@ -403,3 +403,43 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
     fig.suptitle(f"{title}\n{label}", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "images_per_s",
+              title: str = "Cumulative speedup, stage by stage") -> "plt.Figure":
+    """Each stage as a floating bar from the previous cumulative speedup to its own, labeled with
+    its own factor; all ratios are over the first stage of the same run."""
+    set_style()
+    stages = stages.reset_index(drop=True)
+    cum = stages[y] / stages[y].iloc[0]
+    prev = cum.shift(1).fillna(0)
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(stages) + 1.8))
+    for i, (name, c, p) in enumerate(zip(stages[x], cum, prev)):
+        color = "C7" if i == 0 else ("C2" if c >= p else "C3")
+        ax.barh(i, c - p, left=p, color=color)
+        step = "" if i == 0 else f" ({c / p:.2f}x)"
+        ax.text(max(c, p), i, f"  {c:.2f}x{step}", va="center", fontsize=8)
+    ax.set_yticks(range(len(stages)), stages[x])
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlim(0, cum.max() * 1.3)
+    ax.set_xlabel("speedup over the baseline (images/s ratio, same run)")
+    _title(ax, title, label)
+    return fig
+
+
+def table_figure(df, *, label: str | None = None, title: str = "Summary") -> "plt.Figure":
+    """A DataFrame rendered as a figure (for tables that should travel as an image)."""
+    fig, ax = plt.subplots(figsize=(min(18, 1.6 + 1.5 * len(df.columns)), 0.42 * len(df) + 1.2))
+    ax.set_axis_off()
+    cells = [[v if len(v) <= 42 else v[:40] + "..." for v in row] for row in df.astype(str).values.tolist()]
+    tbl = ax.table(cellText=cells, colLabels=list(df.columns), loc="center", cellLoc="center")
+    tbl.auto_set_font_size(False)
+    tbl.set_fontsize(8)
+    tbl.auto_set_column_width(col=list(range(len(df.columns))))
+    tbl.scale(1, 1.3)
+    for (r, _c), cell in tbl.get_celld().items():
+        if r == 0:
+            cell.set_text_props(weight="bold")
+    _title(ax, title, label)
+    return fig

@@ -137,6 +137,9 @@ def test_the_series_charts_write_pngs(figures):
     from ddpm_core.diffusion import GaussianDiffusion
     _saved(plots.noise_schedule_figure(GaussianDiffusion()), "t_schedule.png", figures)
     _saved(plots.image_strip([("t=0", torch.zeros(2, 3, 32, 32)), ("t=1", torch.ones(2, 3, 32, 32))], title="strip"), "t_strip.png", figures)
+    stages = pd.DataFrame({"stage": ["base", "+a", "+b"], "images_per_s": [10.0, 20.0, 15.0]})
+    _saved(plots.waterfall(stages), "t_waterfall.png", figures)
+    _saved(plots.table_figure(bench.summary_table([_measurement("base", 10), _measurement("fast", 5)])), "t_table.png", figures)
     assert np.isfinite(rows["median_ms"]).all()
 
 
