@@ -432,7 +432,7 @@ def table_figure(df, *, label: str | None = None, title: str = "Summary") -> "pl
     """A DataFrame rendered as a figure (for tables that should travel as an image)."""
     fig, ax = plt.subplots(figsize=(min(18, 1.6 + 1.5 * len(df.columns)), 0.42 * len(df) + 1.2))
     ax.set_axis_off()
-    cells = [[v if len(v) <= 42 else v[:40] + "..." for v in row] for row in df.astype(str).values.tolist()]
+    cells = [[(v if len(v) <= 42 else v[:40] + "...") for v in map(str, row)] for row in df.values.tolist()]
     tbl = ax.table(cellText=cells, colLabels=list(df.columns), loc="center", cellLoc="center")
     tbl.auto_set_font_size(False)
     tbl.set_fontsize(8)
