@@ -124,3 +124,25 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def stream_command(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> tuple[int, str]:
+    """Run ``cmd`` and print its output line by line as it comes (a notebook cell shows it live).
+
+    Returns (exit code, the whole output). Used to launch ``torchrun`` from the notebooks.
+    """
+    import subprocess
+
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    print("$", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines = []
+    start = time.perf_counter()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        print(line, end="", flush=True)
+        if timeout is not None and time.perf_counter() - start > timeout:
+            proc.kill()
+            break
+    return proc.wait(), "".join(lines)

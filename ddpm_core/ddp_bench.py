@@ -1,0 +1,82 @@
+"""Throughput of the DDP training step, one process per GPU (or per CPU worker), under torchrun.
+
+    torchrun --nproc_per_node=2 -m ddpm_core.ddp_bench --model tiny --batch-size 8 --out n2.json --trace-dir traces/n2
+
+Every rank times the same number of steps on its own fixed batch; rank 0 writes the global
+images/s to ``--out`` (JSON, atomically). With ``--trace-dir`` each rank also writes a profiler
+trace of a few steps (``rank<R>.pt.trace.json.gz``) for ``ddpm_core.traces.analyze``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .atomic import atomic_write_text
+from .env import device_name
+from .train import TrainConfig, _init_distributed, build
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddpm_core.ddp_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch-size", type=int, default=8, help="per process")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", required=True, help="JSON file for the result (rank 0)")
+    p.add_argument("--trace-dir", default=None)
+    args = p.parse_args(argv)
+
+    cfg = TrainConfig(model=args.model, batch_size=args.batch_size, precision=args.precision, device=args.device,
+                      dataset="synthetic")
+    started = _init_distributed(cfg)
+    try:
+        t = build(cfg)
+        g = torch.Generator().manual_seed(t.rank)
+        x = (torch.rand(args.batch_size, 3, 32, 32, generator=g) * 2 - 1).to(t.device)
+
+        def sync() -> None:
+            if t.device.type == "cuda":
+                torch.cuda.synchronize(t.device)
+            if t.world_size > 1:
+                dist.barrier()
+
+        for _ in range(args.warmup):
+            t.train_step(x)
+        sync()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            t.train_step(x)
+            sync()
+            times.append(1e3 * (time.perf_counter() - start))
+        median = statistics.median(times)
+        if args.trace_dir:
+            from .profiling import capture
+
+            capture(t.train_step, x, out_dir=args.trace_dir, wait=1, warmup=1, active=2)
+        if t.rank == 0:
+            result = {"world_size": t.world_size, "batch_per_process": args.batch_size,
+                      "global_batch": args.batch_size * t.world_size, "median_ms": median,
+                      "images_per_s": args.batch_size * t.world_size / (median / 1e3),
+                      "backend": dist.get_backend() if t.world_size > 1 else "none",
+                      "device_name": device_name(t.device), "torch_version": torch.__version__,
+                      "model": args.model, "precision": args.precision}
+            atomic_write_text(args.out, json.dumps(result, indent=1))
+            print(f"world {t.world_size}: {median:.1f} ms/step, {result['images_per_s']:.1f} img/s", flush=True)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
