@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test lab cifar10 clean
+.PHONY: setup run notebook test lab cifar10 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ setup: $(STAMP)          ## create .venv and install the project with its dev to
 
 run: $(STAMP)            ## the main job: every numbered notebook, headless (smoke mode without a GPU)
 	$(PY) -m ddpm_core.series
+
+notebook: $(STAMP)       ## one notebook and its figures: make notebook NB=03
+	$(PY) -m ddpm_core.series $(NB)
 
 test: $(STAMP)           ## the test suite (CPU; GPU tests are skipped without a GPU)
 	$(PY) -m pytest

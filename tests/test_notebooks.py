@@ -10,9 +10,21 @@ from ddpm_core import series
 NOTEBOOKS = series.list_notebooks()
 
 
-def test_the_series_has_its_first_notebooks():
-    names = [nb.name for nb in NOTEBOOKS]
-    assert names[:3] == ["00_setup.ipynb", "01_build_the_ddpm.ipynb", "02_profile_the_baseline.ipynb"]
+def test_the_series_is_complete_and_in_order():
+    names = [nb.stem for nb in NOTEBOOKS]
+    assert names == ["00_setup", "01_build_the_ddpm", "02_profile_the_baseline", "03_batch_size", "04_torch_compile",
+                     "05_sdpa_attention", "06_mixed_precision", "07_data_loading", "08_multi_gpu",
+                     "09_putting_it_together", "10_optimizers_and_normalization"]
+
+
+def test_the_readme_table_lists_every_notebook_and_figure():
+    from ddpm_core.paths import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    for nb in NOTEBOOKS:
+        assert f"(notebooks/{nb.name})" in readme, nb.name
+        for fig in series.declared_figures(nb):
+            assert fig in readme, fig
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
