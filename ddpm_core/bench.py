@@ -16,12 +16,15 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .env import device_name
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # Dense (no 2:4 sparsity) peak TFLOP/s by device and precision, from NVIDIA's datasheets and
 # architecture whitepapers. "fp32" is the plain CUDA-core rate; "tf32", "bf16" and "fp16" are

@@ -94,35 +94,6 @@ class FolderImages(Dataset):
             ) from e
 
 
-class CIFAR10Images(Dataset):
-    """torchvision's CIFAR-10 training (or test) split as uint8 images; labels are dropped."""
-
-    def __init__(self, root: str | os.PathLike | None = None, train: bool = True, download: bool = True):
-        from torchvision.datasets import CIFAR10
-
-        self.root = Path(root) if root is not None else data_dir()
-        if not _cifar10_present(self.root):
-            if not download:
-                raise DatasetError(_cifar10_missing_message(self.root, "download=False"))
-            if not cifar10_reachable():
-                raise DatasetError(_cifar10_missing_message(self.root, "no network connection to the CIFAR-10 host"))
-        try:
-            ds = CIFAR10(str(self.root), train=train, download=download)
-        except Exception as e:  # noqa: BLE001 - torchvision raises URLError, RuntimeError, OSError...
-            raise DatasetError(_cifar10_missing_message(self.root, f"{type(e).__name__}: {e}")) from e
-        self.images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()
-
-    def __len__(self) -> int:
-        return self.images.shape[0]
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.images[index]
-
-    def as_tensor(self) -> torch.Tensor:
-        """The whole split as one N x 3 x 32 x 32 uint8 tensor."""
-        return self.images
-
-
 class InMemoryImages(Dataset):
     """A uint8 N x 3 x H x W tensor as a dataset: no decoding, the fastest host-side source."""
 
@@ -139,6 +110,25 @@ class InMemoryImages(Dataset):
 
     def as_tensor(self) -> torch.Tensor:
         return self.images
+
+
+class CIFAR10Images(InMemoryImages):
+    """torchvision's CIFAR-10 training (or test) split as uint8 images; labels are dropped."""
+
+    def __init__(self, root: str | os.PathLike | None = None, train: bool = True, download: bool = True):
+        from torchvision.datasets import CIFAR10
+
+        self.root = Path(root) if root is not None else data_dir()
+        if not _cifar10_present(self.root):
+            if not download:
+                raise DatasetError(_cifar10_missing_message(self.root, "download=False"))
+            if not cifar10_reachable():
+                raise DatasetError(_cifar10_missing_message(self.root, "no network connection to the CIFAR-10 host"))
+        try:
+            ds = CIFAR10(str(self.root), train=train, download=download)
+        except Exception as e:  # noqa: BLE001 - torchvision raises URLError, RuntimeError, OSError...
+            raise DatasetError(_cifar10_missing_message(self.root, f"{type(e).__name__}: {e}")) from e
+        super().__init__(torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous())
 
 
 def _cifar10_present(root: Path) -> bool:

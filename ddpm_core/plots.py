@@ -61,13 +61,23 @@ def save_image_grid(images: torch.Tensor, name: str, title: str | None = None) -
 
 
 # ------------------------------------------------------------------------------ the series' charts
-def _title(ax, title: str, label: str | None) -> None:
+def _resolve(label: str | None) -> str:
     """Every chart names what it was measured on: ``label`` (e.g. a reference GPU's), else this machine."""
-    if label is None:
-        from .env import label as this_machine
+    if label is not None:
+        return label
+    from .env import label as this_machine
 
-        label = this_machine()
-    ax.set_title(f"{title}\n{label}", fontsize=10)
+    return this_machine()
+
+
+def _suptitle(fig: "plt.Figure", title: str, label: str | None, fontsize: int = 10) -> "plt.Figure":
+    fig.suptitle(f"{title}\n{_resolve(label)}", fontsize=fontsize)
+    fig.tight_layout()
+    return fig
+
+
+def _title(ax, title: str, label: str | None) -> None:
+    ax.set_title(f"{title}\n{_resolve(label)}", fontsize=10)
 
 
 def _label_bars(ax, bars, fmt: str) -> None:
@@ -125,13 +135,7 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
         axt.set_xlabel("batch size")
         axt.set_ylabel("ms per step")
         axt.set_title("time per step", fontsize=9)
-    if label is None:
-        from .env import label as this_machine
-
-        label = this_machine()
-    fig.suptitle(f"{title}\n{label}", fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _suptitle(fig, title, label)
 
 
 def wait_compute_bars(df, *, label: str | None = None, x: str = "variant", wait: str = "data_wait_ms",
@@ -237,13 +241,7 @@ def image_strip(columns: list[tuple[str, torch.Tensor]], *, title: str, label: s
             ax.set_yticks([])
             if i == 0:
                 ax.set_title(heading, fontsize=8)
-    if label is None:
-        from .env import label as this_machine
-
-        label = this_machine()
-    fig.suptitle(f"{title}\n{label}", fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _suptitle(fig, title, label, fontsize=9)
 
 
 def noise_schedule_figure(diffusion, *, label: str | None = None) -> "plt.Figure":
@@ -262,13 +260,7 @@ def noise_schedule_figure(diffusion, *, label: str | None = None) -> "plt.Figure
     axes[2].set_title(r"SNR $=\bar\alpha_t/(1-\bar\alpha_t)$")
     for ax in axes:
         ax.set_xlabel("t")
-    if label is None:
-        from .env import label as this_machine
-
-        label = this_machine()
-    fig.suptitle(f"DDPM noise schedule (T = {diffusion.timesteps}), computed on {label}", fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _suptitle(fig, f"DDPM noise schedule (T = {diffusion.timesteps})", label, fontsize=9)
 
 
 def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None = None, smooth: int = 20,
@@ -326,13 +318,7 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
     ax2.set_xlabel("training steps")
     ax2.set_ylabel("total time (s), compilation included")
     ax2.legend(fontsize=8)
-    if label is None:
-        from .env import label as this_machine
-
-        label = this_machine()
-    fig.suptitle(f"{title}\n{label}", fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _suptitle(fig, title, label)
 
 
 def sdpa_figure(model_rows, micro, *, label: str | None = None,
@@ -362,13 +348,7 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
         a.legend(fontsize=8)
     axes[1].set_title("attention alone: time", fontsize=9)
     axes[2].set_title("attention alone: memory (the N x N score matrix)", fontsize=9)
-    if label is None:
-        from .env import label as this_machine
-
-        label = this_machine()
-    fig.suptitle(f"{title}\n{label}", fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _suptitle(fig, title, label)
 
 
 def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", title: str = "Throughput and memory") -> "plt.Figure":
@@ -396,13 +376,7 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
         ax2.set_title("CPU: growth of the process's resident memory, a lower bound\n(memory freed by an earlier variant is reused)", fontsize=8)
     for a in (ax, ax2):
         a.invert_yaxis()
-    if label is None:
-        from .env import label as this_machine
-
-        label = this_machine()
-    fig.suptitle(f"{title}\n{label}", fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _suptitle(fig, title, label)
 
 
 def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "images_per_s",
