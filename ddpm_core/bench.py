@@ -462,19 +462,14 @@ def loader_timing(loader: Any, step: Callable[[torch.Tensor], Any], steps: int, 
         if cuda:
             torch.cuda.synchronize(device)
 
-    epoch, it = 0, iter(loader)
+    from .data import forever
+
+    it = forever(loader) if hasattr(loader, "set_epoch") else iter(loader)
     wait = compute = 0.0
     images = 0
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        try:
-            x = next(it)
-        except StopIteration:
-            epoch += 1
-            if hasattr(loader, "set_epoch"):
-                loader.set_epoch(epoch)
-            it = iter(loader)
-            x = next(it)
+        x = next(it)
         sync()
         t1 = time.perf_counter()
         step(x)

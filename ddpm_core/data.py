@@ -407,6 +407,16 @@ class DeviceLoader:
             yield normalize(x)
 
 
+def forever(loader: "Loader | DeviceLoader", start_epoch: int = 0) -> Iterator[torch.Tensor]:
+    """Batches of ``loader`` without end, moving to the next epoch (new shuffle and flips) each time
+    one is exhausted: for benchmarks and short training loops that count steps, not epochs."""
+    epoch = start_epoch
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
 def make_loader(
     dataset: Dataset,
     batch_size: int,

@@ -165,3 +165,11 @@ def test_loader_arguments_are_checked(synthetic_folder):
         D.make_loader(ds, 8, prefetch_factor=2)
     with pytest.raises(ValueError, match="unknown dataset 'imagenet'"):
         D.get_dataset("imagenet")
+
+
+def test_forever_moves_to_the_next_epoch_when_one_ends(synthetic_folder):
+    ds = D.FolderImages(synthetic_folder)
+    loader = D.make_loader(ds, 128, seed=0)  # 2 batches per epoch
+    it = D.forever(loader)
+    got = torch.cat([next(it) for _ in range(4)])
+    assert torch.equal(got[:256], _epoch(loader, 0)) and torch.equal(got[256:], _epoch(loader, 1))
