@@ -6,10 +6,10 @@ STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: setup run notebook test lab cifar10 clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -c constraints.txt -e ".[dev]"
 	$(PY) -c "import torch, torchvision, ddpm_core; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
 	touch $(STAMP)
 

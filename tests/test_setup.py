@@ -25,7 +25,7 @@ def test_environment_yml_installs_the_project_with_the_pyproject_python():
     low = tuple(map(int, re.match(r">=(\d+)\.(\d+)", project["requires-python"]).groups()))
     assert (major, minor) >= low
     pip = next(d["pip"] for d in deps if isinstance(d, dict))
-    assert pip == ['-e ".[dev]"'] or pip == ["-e .[dev]"]  # everything else comes from pyproject
+    assert pip == ["-c constraints.txt", '-e ".[dev]"']  # everything else comes from pyproject
     assert "pip" in deps
 
 
@@ -38,6 +38,14 @@ def test_pyproject_lists_the_series_packages_and_leaves_torch_to_pair_with_torch
     assert "==" not in torch_req  # a pinned torch could pull a CPU wheel that torchvision cannot load
     dev = {re.split(r"[<>=!\[ ]", d)[0].lower() for d in project["optional-dependencies"]["dev"]}
     assert {"pytest", "papermill"} <= dev
+
+
+def test_constraints_pin_one_tested_torch_torchvision_pair_that_every_install_uses():
+    pins = dict(re.findall(r"^(torch|torchvision)==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M))
+    assert set(pins) == {"torch", "torchvision"}
+    # torchvision 0.N pairs with torch 2.(N - 15): 0.29 <-> 2.14, 0.24 <-> 2.9
+    assert int(pins["torchvision"].split(".")[1]) - 15 == int(pins["torch"].split(".")[1])
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
 
 
 def test_readme_quick_start_gives_two_commands_that_the_makefile_and_ci_use():
