@@ -125,10 +125,48 @@ class CIFAR10Images(InMemoryImages):
             if not cifar10_reachable():
                 raise DatasetError(_cifar10_missing_message(self.root, "no network connection to the CIFAR-10 host"))
         try:
-            ds = CIFAR10(str(self.root), train=train, download=download)
+            if _cifar10_present(self.root) or not download:
+                ds = CIFAR10(str(self.root), train=train, download=False)
+            else:
+                ds = _download_cifar10(self.root, train)
+        except DatasetError:
+            raise
         except Exception as e:  # noqa: BLE001 - torchvision raises URLError, RuntimeError, OSError...
             raise DatasetError(_cifar10_missing_message(self.root, f"{type(e).__name__}: {e}")) from e
         super().__init__(torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous())
+
+
+def _download_cifar10(root: Path, train: bool, timeout: float | None = None):
+    """Download CIFAR-10 into ``root`` once per machine, with a timeout on every network read.
+
+    torchvision's downloader opens its connection without a timeout, so a host (or proxy) that
+    accepts the connection and never answers would hang forever: every socket opened here gets
+    ``timeout`` seconds ($DDPM_DOWNLOAD_TIMEOUT, default 60) of silence before it gives up. A
+    file lock in ``root`` makes concurrent processes (DDP ranks, parallel notebooks) wait for the
+    one that downloads instead of writing the same archive at once; they then find it present.
+    """
+    import fcntl
+
+    from torchvision.datasets import CIFAR10
+
+    timeout = float(os.environ.get("DDPM_DOWNLOAD_TIMEOUT", 60)) if timeout is None else timeout
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".cifar10-download.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if _cifar10_present(root):  # another process finished the download while we waited
+            return CIFAR10(str(root), train=train, download=False)
+        previous = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(timeout)
+        try:
+            return CIFAR10(str(root), train=train, download=True)
+        except OSError as e:  # a timeout arrives as TimeoutError or as URLError("timed out")
+            if "timed out" not in str(e):
+                raise
+            raise DatasetError(_cifar10_missing_message(
+                root, f"the download host sent nothing for {timeout:g} s ({e}); set DDPM_DOWNLOAD_TIMEOUT "
+                      f"to wait longer")) from e
+        finally:
+            socket.setdefaulttimeout(previous)
 
 
 def _cifar10_present(root: Path) -> bool:
