@@ -61,11 +61,13 @@ class FolderImages(Dataset):
         self.size = size
         if not self.root.is_dir():
             raise DatasetError(
-                f"image folder {self.root} does not exist. Fix: point data_dir at a folder of "
-                f"PNG/JPEG images (e.g. Kaggle's cifar-10/train), or use dataset='synthetic'."
+                f"image folder {self.root} does not exist. Fix: set image_folder (--image-folder) to a "
+                f"folder of PNG/JPEG images (e.g. Kaggle's cifar-10/train), or use dataset='synthetic'."
             )
         self.files = sorted(
-            (p for p in self.root.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()),
+            # hidden files are skipped: macOS writes "._0.png" resource forks next to every image
+            (p for p in self.root.iterdir()
+             if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".") and p.is_file()),
             key=_natural_key,
         )
         if not self.files:
@@ -84,14 +86,29 @@ class FolderImages(Dataset):
         path = self.files[index]
         try:
             with Image.open(path) as im:
-                im = im.convert("RGB")
+                im = _to_rgb(im)
                 if im.size != (self.size, self.size):
                     im = im.resize((self.size, self.size), Image.Resampling.BICUBIC)
                 return pil_to_tensor(im)
-        except (UnidentifiedImageError, OSError, ValueError) as e:
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise DatasetError(
                 f"cannot read image {path}: {e}. Fix: delete or replace this file."
             ) from e
+
+
+def _to_rgb(im):
+    """An RGB PIL image; 16-bit and 32-bit integer images are scaled to 8 bits, not clipped.
+
+    PIL's ``convert`` clips a 16-bit grayscale value of 33000 to 255, so such images would come
+    out nearly white.
+    """
+    from PIL import Image
+
+    if im.mode.startswith("I"):  # "I;16", "I;16B", "I": integer pixels, 16 bits in PNGs
+        arr = np.asarray(im, dtype=np.float64)
+        scale = 257.0 if im.mode.startswith("I;16") or arr.max(initial=0) <= 65535 else arr.max() / 255.0
+        im = Image.fromarray(np.clip(np.round(arr / scale), 0, 255).astype(np.uint8), "L")
+    return im.convert("RGB")
 
 
 class InMemoryImages(Dataset):
@@ -124,6 +141,14 @@ class CIFAR10Images(InMemoryImages):
                 raise DatasetError(_cifar10_missing_message(self.root, "download=False"))
             if not cifar10_reachable():
                 raise DatasetError(_cifar10_missing_message(self.root, "no network connection to the CIFAR-10 host"))
+        if _cifar10_present(self.root):
+            bad = _cifar10_bad_files(self.root)
+            if bad:
+                raise DatasetError(
+                    f"CIFAR-10 in {self.root / 'cifar-10-batches-py'} is damaged: {', '.join(bad)} "
+                    f"(an interrupted download or copy?). Fix: delete the folder {self.root / 'cifar-10-batches-py'} "
+                    f"and run `make cifar10` again, or use dataset='synthetic'."
+                )
         try:
             if _cifar10_present(self.root) or not download:
                 ds = CIFAR10(str(self.root), train=train, download=False)
@@ -167,6 +192,21 @@ def _download_cifar10(root: Path, train: bool, timeout: float | None = None):
                       f"to wait longer")) from e
         finally:
             socket.setdefaulttimeout(previous)
+
+
+def _cifar10_bad_files(root: Path) -> list[str]:
+    """The CIFAR-10 batch files under ``root`` that are missing or fail torchvision's md5 check."""
+    from torchvision.datasets import CIFAR10, cifar
+
+    folder = root / CIFAR10.base_folder
+    bad = []
+    for name, md5 in [*CIFAR10.train_list, *CIFAR10.test_list]:
+        path = folder / name
+        if not path.exists():
+            bad.append(f"{name} is missing")
+        elif not cifar.check_integrity(str(path), md5):
+            bad.append(f"{name} fails its checksum ({path.stat().st_size:,} bytes)")
+    return bad
 
 
 def _cifar10_present(root: Path) -> bool:
@@ -240,8 +280,14 @@ def make_synthetic(
     manifest = {"n": n, "seed": seed, "size": IMAGE_SIZE, "version": SYNTHETIC_VERSION}
     if _synthetic_complete(final, manifest):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    except OSError as e:
+        raise DatasetError(
+            f"cannot write the synthetic dataset under {final.parent}: {e}. Fix: point the data folder at a "
+            f"writable place with the environment variable DDPM_DATA_DIR or --data-root (TrainConfig.data_root)."
+        ) from e
     try:
         rng = np.random.Generator(np.random.PCG64(seed))
         for i in tqdm(range(n), desc=f"writing synthetic dataset ({n} PNGs)", disable=not progress, leave=False):

@@ -111,7 +111,7 @@ def test_auto_uses_cifar10_when_present(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("torchvision.datasets.CIFAR10._check_integrity", lambda self: True)
     monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *a, **k: True)
     batch = {"data": np.arange(2 * 3072, dtype=np.uint8).reshape(2, 3072), "labels": [0, 1]}
-    for name in [f"data_batch_{i}" for i in range(1, 6)]:
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         with open(folder / name, "wb") as f:
             pickle.dump(batch, f)
     with open(folder / "batches.meta", "wb") as f:

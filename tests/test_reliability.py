@@ -86,3 +86,69 @@ def test_concurrent_cifar10_downloads_wait_for_one_downloader(tmp_path, monkeypa
         p.join(30)
     assert [p.exitcode for p in procs] == [0, 0, 0]
     assert calls.value == 1 and overlap.value == 1
+
+
+# ------------------------------------------------------------------------------ images and folders
+def _png(path, array, mode=None):
+    from PIL import Image
+
+    Image.fromarray(array, mode).save(path) if mode else Image.fromarray(array).save(path)
+
+
+def test_16_bit_grayscale_pngs_are_scaled_not_clipped(tmp_path):
+    import numpy as np
+
+    _png(tmp_path / "0.png", np.full((32, 32), 33153, dtype=np.uint16))  # mid-gray in 16 bits
+    img = data.FolderImages(tmp_path)[0]
+    assert img.shape == (3, 32, 32)
+    assert 126 <= img.float().mean() <= 132  # 33153 / 257 = 129; PIL's convert gave 255
+
+
+def test_macos_resource_forks_and_hidden_files_are_skipped(tmp_path):
+    import numpy as np
+
+    _png(tmp_path / "0.png", np.zeros((32, 32, 3), dtype=np.uint8))
+    (tmp_path / "._0.png").write_bytes(b"\x00\x05\x16\x07 resource fork, not a PNG")
+    ds = data.FolderImages(tmp_path)
+    assert [p.name for p in ds.files] == ["0.png"]
+    assert ds[0].shape == (3, 32, 32)
+
+
+def test_a_decompression_bomb_names_the_file(tmp_path, monkeypatch):
+    import numpy as np
+    from PIL import Image
+
+    _png(tmp_path / "0.png", np.zeros((64, 64, 3), dtype=np.uint8))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 64x64 > 2x the limit: PIL raises
+    with pytest.raises(data.DatasetError, match=r"cannot read image .*0\.png.*Fix"):
+        data.FolderImages(tmp_path)[0]
+
+
+def test_a_missing_image_folder_names_the_setting(tmp_path):
+    with pytest.raises(data.DatasetError, match="image_folder"):
+        data.FolderImages(tmp_path / "nope")
+
+
+def test_a_damaged_cifar10_folder_names_the_bad_file(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch"]:
+        (folder / name).write_bytes(b"truncated")
+    with pytest.raises(data.DatasetError, match=r"damaged: data_batch_1 fails its checksum .*Fix: delete the folder"):
+        data.get_dataset("auto", root=tmp_path, verbose=False)
+
+
+def test_a_read_only_data_folder_says_how_to_move_it(tmp_path):
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores permissions: simulate with a file in the way
+            ro.chmod(0o700)
+            (ro / "synthetic").write_text("a file where the folder should be")
+        with pytest.raises(data.DatasetError, match=r"cannot write the synthetic dataset .*DDPM_DATA_DIR"):
+            data.make_synthetic(ro, n=4, progress=False)
+    finally:
+        ro.chmod(0o700)
