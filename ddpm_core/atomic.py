@@ -7,12 +7,21 @@ complete new one, never a half-written file, even if the writer is killed mid-wr
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Iterator
 
 TMP_SUFFIX = ".partial"
+STALE_PARTIAL_S = 600  # a temporary file this old belongs to a writer that was killed
+LOW_SPACE_BYTES = 64 * 2**20
+
+
+class DiskFullError(OSError):
+    """A write ran out of space; the message says the previous file is intact."""
 
 
 @contextlib.contextmanager
@@ -25,6 +34,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise ValueError(f"atomic_open writes whole files; mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
     try:
@@ -33,10 +43,54 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        _fsync_dir(path.parent)  # make the rename itself survive a power cut
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, Exception) and _out_of_space(e, path.parent):
+            kept = f"{path} was left as it was" if path.exists() else f"nothing was written to {path}"
+            raise DiskFullError(
+                errno.ENOSPC,
+                f"no space left on the device while writing {path} ({type(e).__name__}: {e}); {kept}. "
+                f"Fix: free space in {path.parent} (e.g. delete old runs) or write elsewhere, then run again.",
+            ) from e
         raise
+
+
+def _out_of_space(err: Exception, folder: Path) -> bool:
+    """ENOSPC, or a library error (torch.save: "unexpected pos") raised while the disk is nearly full."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < LOW_SPACE_BYTES
+    except OSError:
+        return False
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def remove_stale_partials(path: str | os.PathLike, older_than_s: float = STALE_PARTIAL_S) -> list[Path]:
+    """Delete temporary files left by killed writers of ``path`` (older than ``older_than_s``).
+
+    A writer killed with SIGKILL cannot clean up after itself; its ``.partial`` file can be as large
+    as a checkpoint. Fresh ones are left alone: they may belong to a writer still at work.
+    """
+    path = Path(path)
+    removed = []
+    now = time.time()
+    for old in path.parent.glob(f".{path.name}.*{TMP_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            if now - old.stat().st_mtime > older_than_s:
+                old.unlink()
+                removed.append(old)
+    return removed
 
 
 def _umask() -> int:

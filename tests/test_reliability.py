@@ -152,3 +152,46 @@ def test_a_read_only_data_folder_says_how_to_move_it(tmp_path):
             data.make_synthetic(ro, n=4, progress=False)
     finally:
         ro.chmod(0o700)
+
+
+# ------------------------------------------------------------------------------ atomic writes
+def test_disk_full_says_the_previous_file_survived(tmp_path):
+    import errno
+
+    from ddpm_core.atomic import DiskFullError, atomic_open, atomic_write_text
+
+    target = tmp_path / "ckpt.pt"
+    atomic_write_text(target, "previous checkpoint")
+    with pytest.raises(DiskFullError, match=r"no space left .*ckpt\.pt was left as it was.*Fix: free space"):
+        with atomic_open(target, "wb") as f:
+            f.write(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert target.read_text() == "previous checkpoint"
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_a_library_error_on_a_nearly_full_disk_is_reported_as_disk_full(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from ddpm_core import atomic
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(atomic.DiskFullError, match="nothing was written"):
+        with atomic.atomic_open(tmp_path / "x.pt", "wb"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+
+def test_partial_files_of_killed_writers_are_cleaned_up_and_fresh_ones_kept(tmp_path):
+    import os
+
+    from ddpm_core.atomic import atomic_write_text
+
+    stale = tmp_path / ".ckpt.pt.abc123.partial"
+    fresh = tmp_path / ".ckpt.pt.def456.partial"
+    stale.write_bytes(b"0" * 1000)
+    fresh.write_bytes(b"0")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    atomic_write_text(tmp_path / "ckpt.pt", "new")
+    assert not stale.exists() and fresh.exists()
