@@ -414,6 +414,43 @@ def largest_batch(step: Callable[[int], Any], start: int, max_batch: int, device
     return best, False
 
 
+def attention_inputs(model_or_trainer: Any, x: torch.Tensor, t: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k, v that the model's first attention block really hands to attention, for input ``x``.
+
+    Runs one forward pass (no gradients) and records them, under the trainer's autocast when given
+    a ``Trainer``, so a bf16 trainer yields bf16 tensors with the model's own shapes and strides.
+    Probe these with ``sdpa_backends``: a synthetic contiguous tensor can pass checks (layout,
+    dtype) that the model's tensors fail.
+    """
+    from .model import AttnBlock
+
+    model = getattr(model_or_trainer, "model", model_or_trainer)
+    autocast = getattr(model_or_trainer, "_autocast", contextlib.nullcontext)
+    block = next((m for m in model.modules() if isinstance(m, AttnBlock)), None)
+    if block is None:
+        raise ValueError("this model has no attention block (attn_resolutions is empty)")
+    device = next(model.parameters()).device
+    x = x.to(device)
+    t = torch.zeros(x.shape[0], dtype=torch.long, device=device) if t is None else t.to(device)
+    seen: list[tuple[torch.Tensor, ...]] = []
+    original = block.qkv_tokens
+
+    def record(h: torch.Tensor):
+        out = original(h)
+        seen.append(tuple(a.detach() for a in out))
+        return out
+
+    block.qkv_tokens = record
+    try:
+        with torch.no_grad(), autocast():
+            model(x, t)
+    finally:
+        del block.qkv_tokens  # back to the class method
+    q, k, v = seen[0]
+    return q, k, v
+
+
 def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "pd.DataFrame":
     """Which ``scaled_dot_product_attention`` backends accept these inputs, and which one the
     dispatcher picks by default. Each backend is forced with ``torch.nn.attention.sdpa_kernel``;

@@ -96,16 +96,29 @@ class AttnBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, hgt, wid = x.shape
-        n, d = hgt * wid, c // self.heads
-        qkv = self.qkv(self.norm(x)).reshape(b, 3, self.heads, d, n)
-        q, k, v = (qkv[:, i].transpose(-1, -2) for i in range(3))  # each B x heads x N x d
+        q, k, v = self.qkv_tokens(x)  # each B x heads x N x d, last dim contiguous
         if self.attention == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v)
         else:
-            scores = torch.matmul(q, k.transpose(-1, -2)) * (d ** -0.5)  # B x heads x N x N
+            scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # B x heads x N x N
             out = torch.matmul(scores.softmax(dim=-1), v)
-        out = out.transpose(-1, -2).reshape(b, c, hgt, wid)
+        out = out.permute(0, 1, 3, 2).reshape(b, c, hgt, wid)  # B x heads x d x N -> B x C x H x W
         return x + self.proj_out(out)
+
+    def qkv_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of shape B x heads x N x d, each with a contiguous last dimension.
+
+        The fused kernels of ``scaled_dot_product_attention`` (flash, memory-efficient, cuDNN) need
+        the head dimension contiguous (stride 1). The 1x1 conv writes channels first (B x 3C x H x W,
+        so d has stride N): slicing q, k, v out of it and transposing would hand SDPA views that
+        every fused kernel refuses, and the dispatcher would silently fall back to the math kernel.
+        One transpose-copy to token-major B x N x 3C fixes the layout for all three at once.
+        """
+        b, c, hgt, wid = x.shape
+        n, d = hgt * wid, c // self.heads
+        qkv = self.qkv(self.norm(x)).reshape(b, 3 * c, n).transpose(1, 2).contiguous()  # B x N x 3C
+        qkv = qkv.reshape(b, n, 3, self.heads, d).permute(2, 0, 3, 1, 4)  # 3 x B x heads x N x d
+        return qkv[0], qkv[1], qkv[2]
 
 
 class Downsample(nn.Module):

@@ -80,3 +80,29 @@ def test_bad_arguments_get_clear_errors():
         preset("ddpm")
     with pytest.raises(ValueError, match="divisible by groups"):
         UNet(base_channels=24)
+
+
+def test_the_models_own_attention_inputs_are_eligible_for_a_fused_sdpa_kernel():
+    """q, k, v used to be transposed views (head dim stride N): every fused kernel refused them and
+    SDPA silently ran the math kernel. torch._fused_sdp_choice shows the dispatcher's pick on CPU too."""
+    from torch.nn.attention import SDPBackend
+
+    from ddpm_core import bench
+
+    torch.manual_seed(0)
+    model = preset("tiny", attention="sdpa")
+    q, k, v = bench.attention_inputs(model, torch.randn(2, 3, 32, 32))
+    assert q.shape == (2, 1, 256, 64)  # the tiny model's 16x16 attention: 256 tokens, one head of 64
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert torch._fused_sdp_choice(q, k, v) != int(SDPBackend.MATH)
+    table = bench.sdpa_backends(q, k, v)
+    assert not table.loc[table["default choice"], "backend"].eq("MATH").any()
+
+
+def test_attention_inputs_follow_the_trainers_autocast(tmp_path):
+    from ddpm_core import bench
+    from ddpm_core.train import TrainConfig, build
+
+    t = build(TrainConfig(model="tiny", device="cpu", precision="bf16", attention="sdpa", out_dir=str(tmp_path)))
+    q, k, v = bench.attention_inputs(t, torch.randn(2, 3, 32, 32))
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
