@@ -39,6 +39,7 @@ from .model import ATTENTION_CHOICES, NORM_CHOICES, PRESETS, preset
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
 OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-nesterov", "adagrad", "adadelta")
 FUSED_OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-nesterov")
 # Fields that must match for a checkpoint to resume a run (they change weights or data order).
@@ -63,6 +64,7 @@ class TrainConfig:
     compile: str | None = None
     channels_last: bool = False
     fused_optimizer: bool = False
+    cudnn_benchmark: bool = False  # let cuDNN time its algorithms for each conv shape once, keep the fastest
     # data
     dataset: str = "auto"
     data_root: str | None = None  # None: $DDPM_DATA_DIR or <repo>/data
@@ -147,8 +149,23 @@ def resolve_device(name: str = "auto") -> torch.device:
                 f"CUDA build {torch.version.cuda}). Fix: use device='cpu' or 'auto'."
             )
         if name == "cuda":
-            name = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            name = f"cuda:{local_gpu_index()}"
+        elif torch.device(name).index is not None and torch.device(name).index >= torch.cuda.device_count():
+            raise ValueError(f"device={name!r} but only {torch.cuda.device_count()} GPU(s) are visible. "
+                             f"Fix: use cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
     return torch.device(name)
+
+
+def local_gpu_index() -> int:
+    """This process's GPU: LOCAL_RANK (set by torchrun), checked against the GPUs visible."""
+    local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if local_rank >= visible:
+        raise ValueError(
+            f"this process has LOCAL_RANK {local_rank} but only {visible} GPU(s) are visible, so there is "
+            f"no cuda:{local_rank} for it. Fix: start at most {visible} process(es) per machine "
+            f"(torchrun --nproc_per_node={visible}), or pass --device cpu to run the processes on the CPU."
+        )
+    return local_rank
 
 
 def available_precisions(device: torch.device | str) -> list[str]:
@@ -182,16 +199,34 @@ def check_precision(precision: str, device: torch.device) -> None:
     raise ValueError(f"precision={precision!r} cannot run on {device}: {why}")
 
 
-def _set_tf32(enabled: bool) -> None:
-    """TF32 for fp32 matmuls and convolutions on CUDA. cuDNN runs fp32 convolutions on TF32 by
-    default, so the honest fp32 baseline must switch it off explicitly."""
-    mode = "tf32" if enabled else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: the new API only
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+def _read_tf32() -> tuple[bool, bool]:
+    """(matmul, cuDNN) TF32 flags as they are now, whichever API set them."""
+    try:
+        return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    except RuntimeError:  # torch >= 2.9 refuses the legacy getters after the new API was used
+        return (torch.backends.cuda.matmul.fp32_precision == "tf32",
+                torch.backends.cudnn.conv.fp32_precision == "tf32")
+
+
+@contextlib.contextmanager
+def backend_flags(tf32: bool, cudnn_benchmark: bool):
+    """TF32 for fp32 matmuls and convolutions, and cuDNN autotuning, for the duration of one step.
+
+    cuDNN runs fp32 convolutions on TF32 by default, so the honest fp32 baseline switches it off
+    explicitly. The flags are set through the legacy ``allow_tf32`` API because Inductor's
+    max-autotune reads it, and torch >= 2.9 raises on reading it once the new ``fp32_precision``
+    API was used; set through the legacy API, both stay readable. They are process-wide, so they
+    are restored afterwards: one trainer's bf16 step must not turn TF32 on for the next trainer's
+    fp32 comparison.
+    """
+    saved = (*_read_tf32(), torch.backends.cudnn.benchmark)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
 
 
 def _dist_info() -> tuple[int, int]:
@@ -301,6 +336,9 @@ class Trainer:
         ``t`` and ``noise`` are drawn from the trainer's generator unless given (tests pass them).
         Returns the loss as a detached 0-dim tensor (no device sync; ``float()`` it to read it).
         """
+        if self.cfg.compile in CUDAGRAPH_MODES:
+            # A new iteration: CUDA-graph outputs of the previous replay may now be overwritten.
+            torch.compiler.cudagraph_mark_step_begin()
         x = x.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
         if t is None:
             t = torch.randint(0, self.cfg.timesteps, (x.shape[0],), device=self.device, generator=self.generator)
@@ -308,24 +346,24 @@ class Trainer:
             noise = torch.randn(x.shape, device=self.device, generator=self.generator, dtype=x.dtype)
         t = t.to(self.device)
         noise = noise.to(self.device).contiguous(memory_format=self.memory_format)
-        if self.device.type == "cuda":
-            _set_tf32(self.cfg.precision != "fp32")  # per step: several trainers can share a process
         self.model.train()
-
-        with self._autocast():
-            loss = self._loss(x, t, noise)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        if self.cfg.grad_clip is not None:
-            self.scaler.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update()
+        with backend_flags(tf32=self.cfg.precision != "fp32", cudnn_benchmark=self.cfg.cudnn_benchmark):
+            with self._autocast():
+                loss = self._loss(x, t, noise)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(loss).backward()
+            if self.cfg.grad_clip is not None:
+                self.scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update()
         self.step += 1
-        return loss.detach()
+        # A copy: under CUDA graphs the loss lives in the graph's output buffer, which the next
+        # replay overwrites, and callers (train()) keep losses across steps.
+        return loss.detach().clone()
 
     @torch.no_grad()
     def sample(self, n: int, steps: int | None = None, seed: int = 0, progress: bool = True, **kw: Any):
@@ -380,7 +418,10 @@ class Trainer:
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore weights, EMA, optimizer, schedule, scaler, step and RNG state from ``path``."""
-        ckpt = load_checkpoint_file(path, self.device)
+        # On the CPU first: load_state_dict then puts weights and moments on their parameters'
+        # device, while non-fused Adam's `step` counters stay CPU tensors as they must (on the GPU,
+        # Adam reads each with .item(): two device syncs per parameter per step).
+        ckpt = load_checkpoint_file(path, "cpu")
         mismatched = {k: (ckpt["config"].get(k), getattr(self.cfg, k)) for k in RESUME_KEYS
                       if ckpt["config"].get(k) != getattr(self.cfg, k)}
         if mismatched:
@@ -449,7 +490,7 @@ def _init_distributed(cfg: TrainConfig) -> bool:
 
     use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_gpu_index())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # torchrun keeps one key-value store across restarts. A restarted group would read the
     # addresses the killed workers left there and fail to connect, so every attempt gets its

@@ -225,3 +225,105 @@ def test_command_line_trains_and_writes_a_sample_grid(tmp_path, capsys):
     assert "done: step 3" in capsys.readouterr().out
     assert main(["--precision", "fp8"]) == 2
     assert "valid values" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ GPU-path defects, caught on CPU
+def test_the_returned_loss_is_a_copy_and_cudagraph_steps_are_marked(tmp_path, monkeypatch):
+    """Under CUDA graphs the loss tensor is the graph's output buffer, overwritten by the next replay:
+    train() keeps losses across steps, so train_step must return a copy and mark each new step."""
+    t = build(tiny_config(tmp_path))
+    produced = []
+    eager = t._loss
+
+    def spy(*a):
+        out = eager(*a)
+        produced.append(out)
+        return out
+
+    t._loss = spy
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    x = torch.rand(8, 3, 32, 32) * 2 - 1
+    loss = t.train_step(x)
+    assert loss.untyped_storage().data_ptr() != produced[0].untyped_storage().data_ptr()
+    assert torch.equal(loss, produced[0].detach())
+    assert marks == []  # eager: nothing to mark
+    t.cfg.compile = "reduce-overhead"  # the mark is decided per step from the config
+    t.train_step(x)
+    t.cfg.compile = "max-autotune"
+    t.train_step(x)
+    assert marks == [1, 1]
+
+
+@pytest.mark.parametrize("precision, tf32", [("fp32", False), ("bf16", True)])
+@pytest.mark.parametrize("bench_flag", [False, True])
+def test_tf32_and_cudnn_benchmark_hold_during_the_step_and_are_restored_after(tmp_path, precision, tf32, bench_flag):
+    """TF32 used to be set for good (and only on CUDA): a bf16 trainer left it on for the next fp32 one."""
+    t = build(tiny_config(tmp_path, precision=precision, cudnn_benchmark=bench_flag))
+    seen = {}
+    eager = t._loss
+
+    def spy(*a):
+        seen.update(mm=torch.backends.cuda.matmul.allow_tf32, conv=torch.backends.cudnn.allow_tf32,
+                    bench=torch.backends.cudnn.benchmark)
+        return eager(*a)
+
+    t._loss = spy
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    torch.backends.cuda.matmul.allow_tf32 = not tf32  # the opposite of what the step wants
+    torch.backends.cudnn.allow_tf32 = not tf32
+    try:
+        t.train_step(torch.rand(8, 3, 32, 32) * 2 - 1)
+        assert seen == {"mm": tf32, "conv": tf32, "bench": bench_flag}
+        assert torch.backends.cuda.matmul.allow_tf32 is (not tf32) and torch.backends.cudnn.allow_tf32 is (not tf32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before
+
+
+def test_tf32_flags_stay_readable_through_the_legacy_api_after_a_step(tmp_path):
+    """Inductor's max-autotune reads torch.backends.cuda.matmul.allow_tf32; torch >= 2.9 raises on that
+    read once the new fp32_precision API was used, which the old _set_tf32 did on every GPU step."""
+    t = build(tiny_config(tmp_path, precision="bf16"))
+    # Someone (a user, a library) used the new API first: torch now refuses the legacy getters.
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # both the opposite of torch's defaults
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    try:
+        t.train_step(torch.rand(8, 3, 32, 32) * 2 - 1)
+        assert torch.backends.cuda.matmul.allow_tf32 is True  # must not raise, and the state is restored
+        assert torch.backends.cudnn.allow_tf32 is False
+        torch.get_float32_matmul_precision()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True  # torch's defaults
+
+
+def test_resume_loads_the_checkpoint_on_the_cpu_so_adam_step_counters_stay_there(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, steps=2, checkpoint_every=2)
+    train(cfg)
+    locations = []
+    real_load = torch.load
+
+    def spy(*a, **kw):
+        locations.append(str(kw.get("map_location")))
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(torch, "load", spy)
+    t = build(cfg)
+    t.device = torch.device("cuda:0")  # as on a GPU: loading must not send the counters there
+    assert t.resume_latest(cfg.out_dir) is not None
+    t.device = torch.device("cpu")
+    assert locations == ["cpu"]  # was the trainer's device
+    steps = [s["step"] for s in t.optimizer.state.values()]
+    assert steps and all(s.device.type == "cpu" for s in steps)
+    assert all(p.device == t.device for p in t.model.parameters())
+
+
+def test_more_processes_than_gpus_get_a_clear_error_before_any_work(monkeypatch):
+    from ddpm_core import train as train_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 1 but only 1 GPU.*--nproc_per_node=1.*--device cpu"):
+        train_mod.resolve_device("auto")
+    with pytest.raises(ValueError, match=r"cuda:3.*only 1 GPU"):
+        train_mod.resolve_device("cuda:3")
