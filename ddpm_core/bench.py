@@ -1,6 +1,6 @@
 """Honest instruments: a synchronizing timer, FLOPs of the real step, MFU against a named peak.
 
-    m = measure(t.train_step, x, batch_size=128, flops=count_flops(t.train_step, x), precision="bf16")
+    m = measure(t.train_step, x, batch_size=128, flops=count_flops(t.train_step, x))  # precision: the trainer's
     print(m)                       # ms/step, img/s, TFLOP/s, MFU (vs which peak), peak memory
 
 MFU (model FLOPs utilization) = achieved FLOP/s / the device's dense peak FLOP/s for the
@@ -209,6 +209,11 @@ class Measurement:
     tflops: float | None = None
     mfu: float | None = None
     peak: str | None = None  # e.g. "H100 SXM bf16 dense peak 989.4 TFLOP/s"
+    # One fixed yardstick for every row, whatever its precision: achieved / the device's dense bf16
+    # peak. Per-precision MFU divides fp32 rows by a ~15x lower peak, so it cannot rank stages.
+    mfu_bf16: float | None = None
+    precision: str | None = None
+    reserved_bytes: int | None = None  # CUDA: peak memory reserved by the caching allocator
     note: str = ""
     times_ms: list[float] = field(default_factory=list, repr=False)
 
@@ -231,6 +236,8 @@ class Measurement:
             s += f", {self.tflops:.2f} TFLOP/s"
         if self.mfu is not None:
             s += f", MFU {100 * self.mfu:.1f}% of {self.peak}"
+        if self.mfu_bf16 is not None and self.precision != "bf16":
+            s += f" ({100 * self.mfu_bf16:.1f}% of the bf16 peak)"
         if self.peak_memory_bytes is not None:
             s += f", {self.memory_kind} {self.peak_memory_bytes / 2**20:,.0f} MiB"
         return s + (f" [{self.note}]" if self.note else "")
@@ -277,6 +284,47 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _precision_of(fn: Callable[..., Any]) -> str | None:
+    """The precision of the trainer whose method ``fn`` is (``t.train_step``), else None."""
+    cfg = getattr(getattr(fn, "__self__", None), "cfg", None)
+    return getattr(cfg, "precision", None)
+
+
+def _uses_cuda_graphs(fn: Callable[..., Any]) -> bool:
+    cfg = getattr(getattr(fn, "__self__", None), "cfg", None)
+    return getattr(cfg, "compile", None) in ("reduce-overhead", "max-autotune")
+
+
+def mfu_fields(tflops: float, device_name_: str, precision: str) -> dict[str, Any]:
+    """MFU against the dense peak of ``precision`` and against the dense bf16 peak (the fixed
+    yardstick), for a GPU named ``device_name_``; None and a note where the table has no peak."""
+    out: dict[str, Any] = {"mfu": None, "peak": None, "mfu_bf16": None, "note": ""}
+    peak, why = peak_for_name(device_name_, precision)
+    if peak is not None:
+        out["mfu"], out["peak"] = tflops / peak.tflops, str(peak)
+    else:
+        out["note"] = why
+    bf16, _ = peak_for_name(device_name_, "bf16")
+    if bf16 is not None:
+        out["mfu_bf16"] = tflops / bf16.tflops
+    return out
+
+
+def cuda_peak_memory(device: torch.device, cuda_graphs: bool) -> tuple[int, int, str]:
+    """(bytes to report, bytes reserved, what the first number is) after the timed calls.
+
+    ``max_memory_allocated`` counts live tensors, but CUDA-graph replays run in a private memory
+    pool that was filled when the graph was recorded, before the stats were reset: their
+    activations never show up as new allocations. For such steps the memory reserved by the
+    caching allocator (which holds the graph pools) is what the step really holds.
+    """
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    if cuda_graphs:
+        return max(allocated, reserved), reserved, "peak reserved (CUDA, includes CUDA-graph pools)"
+    return allocated, reserved, "peak allocated (CUDA)"
+
+
 def measure(
     fn: Callable[..., Any],
     *args: Any,
@@ -284,19 +332,32 @@ def measure(
     warmup: int = 3,
     iters: int = 10,
     flops: int | None = None,
-    precision: str = "fp32",
+    precision: str | None = None,
     device: torch.device | str | None = None,
     name: str = "",
+    cuda_graphs: bool | None = None,
     **kwargs: Any,
 ) -> Measurement:
     """Time ``fn(*args, **kwargs)``: one first call, ``warmup - 1`` more untimed, then ``iters`` timed.
 
     On CUDA each timed call is bracketed by CUDA events after a synchronize; on CPU by
-    ``time.perf_counter``. ``flops`` (per call, from ``count_flops``) gives TFLOP/s, and MFU
-    against the dense peak of ``precision`` on this device when the table knows it.
+    ``time.perf_counter``. ``flops`` (per call, from ``count_flops``) gives TFLOP/s, MFU against
+    the dense peak of the step's precision, and ``mfu_bf16`` against the dense bf16 peak.
+    ``precision`` defaults to the trainer's when ``fn`` is a trainer method (``t.train_step``);
+    for any other callable with ``flops`` it must be given. ``cuda_graphs`` (default: from the
+    trainer's compile mode) reports reserved memory, which holds the CUDA-graph pools.
     """
     if iters < 1 or warmup < 1:
         raise ValueError(f"need warmup >= 1 (the first call is timed apart) and iters >= 1; got warmup={warmup}, iters={iters}")
+    precision = precision or _precision_of(fn)
+    if flops is not None and precision is None:
+        raise ValueError(
+            "measure(..., flops=...) needs the step's precision to compute MFU against the right peak, and "
+            "cannot read it from this callable. Fix: pass precision='fp32' | 'tf32' | 'bf16' | 'fp16' "
+            "(the trainer's cfg.precision)."
+        )
+    if cuda_graphs is None:
+        cuda_graphs = _uses_cuda_graphs(fn)
     device = torch.device(device) if device is not None else _device_of(args, kwargs)
     cuda = device.type == "cuda"
 
@@ -324,14 +385,14 @@ def measure(
             e.record()
         sync()
         times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        peak_mem, mem_kind = torch.cuda.max_memory_allocated(device), "peak allocated (CUDA)"
+        peak_mem, reserved, mem_kind = cuda_peak_memory(device, cuda_graphs)
     else:
         with _RssSampler() as rss:
             for _ in range(iters):
                 t0 = time.perf_counter()
                 fn(*args, **kwargs)
                 times.append(1e3 * (time.perf_counter() - t0))
-        peak_mem, mem_kind = rss.increase, "peak RSS increase (CPU, sampled)"
+        peak_mem, reserved, mem_kind = rss.increase, None, "peak RSS increase (CPU, sampled)"
 
     q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
     median = statistics.median(times)
@@ -339,16 +400,16 @@ def measure(
         name=name, device=str(device), device_name=device_name(device), torch_version=torch.__version__,
         batch_size=batch_size, iters=iters, first_ms=first_ms, median_ms=median, p10_ms=q[0], p90_ms=q[-1],
         images_per_s=batch_size / (median / 1e3), peak_memory_bytes=peak_mem, memory_kind=mem_kind,
-        times_ms=times,
+        times_ms=times, precision=precision, reserved_bytes=reserved,
     )
     if flops is not None:
         m.flops_per_step = int(flops)
         m.tflops = flops / (median / 1e3) / 1e12
-        peak, why = peak_for(device, precision)
-        if peak is not None:
-            m.mfu, m.peak = m.tflops / peak.tflops, str(peak)
+        if cuda:
+            for key, value in mfu_fields(m.tflops, m.device_name, precision).items():
+                setattr(m, key, value)
         else:
-            m.note = why
+            m.note = peak_for(device, precision)[1]
     return m
 
 
@@ -371,6 +432,7 @@ def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.Dat
             "peak memory (MiB)": None if m.peak_memory_bytes is None else round(m.peak_memory_bytes / 2**20),
             "TFLOP/s": None if m.tflops is None else round(m.tflops, 3),
             "MFU": f"{100 * m.mfu:.1f}% of {m.peak}" if m.mfu is not None else (m.note or "n/a"),
+            "MFU vs bf16 peak": None if m.mfu_bf16 is None else f"{100 * m.mfu_bf16:.1f}%",
             "device": m.device_name,
         })
     return pd.DataFrame(rows)

@@ -137,3 +137,42 @@ def test_loader_timing_splits_waiting_from_computing():
     r = bench.loader_timing(SlowLoader(), lambda x: time.sleep(0.01), steps=5, warmup=1)
     assert r["data_wait_ms"] == pytest.approx(20, abs=5) and r["compute_ms"] == pytest.approx(10, abs=5)
     assert r["wait_share"] == pytest.approx(2 / 3, abs=0.1) and r["images_per_s"] == pytest.approx(4 / 0.03, rel=0.2)
+
+
+# ------------------------------------------------------------------------------ GPU-path defects, caught on CPU
+def test_mfu_has_one_fixed_bf16_yardstick_beside_the_per_precision_one():
+    """Notebook 09 divided fp32 stages by 67 and bf16 stages by 989 TFLOP/s: MFU fell where the step got faster."""
+    fp32 = bench.mfu_fields(20.0, "NVIDIA H100 80GB HBM3", "fp32")
+    bf16 = bench.mfu_fields(100.0, "NVIDIA H100 80GB HBM3", "bf16")
+    assert fp32["mfu"] == pytest.approx(20 / 67.0) and bf16["mfu"] == pytest.approx(100 / 989.4)
+    assert fp32["mfu"] > bf16["mfu"]  # the per-precision number ranks them backwards ...
+    assert fp32["mfu_bf16"] == pytest.approx(20 / 989.4) and bf16["mfu_bf16"] == pytest.approx(100 / 989.4)
+    assert bf16["mfu_bf16"] > fp32["mfu_bf16"]  # ... the fixed yardstick ranks them right
+    t4 = bench.mfu_fields(5.0, "Tesla T4", "fp16")  # no bf16 on Turing: the yardstick is left out
+    assert t4["mfu"] == pytest.approx(5 / 65.0) and t4["mfu_bf16"] is None
+
+
+def test_measure_takes_the_precision_from_the_trainer_and_refuses_to_guess(tmp_path):
+    t = build(tiny_config(tmp_path, precision="bf16"))
+    x = torch.rand(4, 3, 32, 32) * 2 - 1
+    m = bench.measure(t.train_step, x, batch_size=4, warmup=1, iters=1, flops=10**9)
+    assert m.precision == "bf16"  # was: silently "fp32", a 15x too small peak on a GPU
+    with pytest.raises(ValueError, match=r"pass precision="):
+        bench.measure(lambda: t.train_step(x), batch_size=4, warmup=1, iters=1, flops=10**9)
+    row = bench.summary_table([m]).iloc[0]
+    assert "MFU vs bf16 peak" in row.index
+
+
+def test_cuda_graph_steps_report_the_memory_their_pools_hold(monkeypatch):
+    """Replays run in a private pool filled before the stats reset: max_memory_allocated misses them."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 9 * 2**30)
+    dev = torch.device("cuda:0")
+    assert bench.cuda_peak_memory(dev, cuda_graphs=False) == (2**30, 9 * 2**30, "peak allocated (CUDA)")
+    held, reserved, kind = bench.cuda_peak_memory(dev, cuda_graphs=True)
+    assert held == 9 * 2**30 and "CUDA-graph" in kind
+    t = type("T", (), {"cfg": type("C", (), {"compile": "reduce-overhead", "precision": "bf16"})()})()
+    assert bench._uses_cuda_graphs(lambda: None) is False
+    assert bench._uses_cuda_graphs(type("S", (), {"step": lambda self: None})().step) is False
+    bound = (lambda self: None).__get__(t)
+    assert bench._uses_cuda_graphs(bound) is True and bench._precision_of(bound) == "bf16"
