@@ -171,7 +171,8 @@ def temporal_breakdown(temporal, *, label: str | None = None, title: str = "GPU 
     ax.invert_yaxis()
     ax.set_xlim(0, 100)
     ax.set_xlabel("% of profiled time")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    # Beside the bars, not under them: below the axes it covered the x label on short figures.
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     _title(ax, title, label)
     return fig
 
@@ -198,6 +199,10 @@ def top_ops(table, *, label: str | None = None, n: int = 10, value: str | None =
     if value is None:
         value = "self_device_us" if "self_device_us" in table and table["self_device_us"].sum() > 0 else (
             "self_cpu_us" if "self_cpu_us" in table else "self_us")
+    if "rank" in table and table["rank"].nunique() > 1:  # one rank: bars of several would overlap by name
+        rank = int(table["rank"].min())
+        table = table[table["rank"] == rank]
+        title = f"{title or 'Top operators'} (rank {rank})"
     top = table.sort_values(value, ascending=False).head(n)
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(top) + 1.6))
     bars = ax.barh(top["name"].astype(str).str.slice(0, 60), top[value] / 1e3)

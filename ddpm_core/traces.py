@@ -9,9 +9,12 @@ on any machine. HTA draws plotly charts; we ask it for DataFrames only and plot 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
 import logging
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +48,7 @@ class TraceReport:
     top_kernels: pd.DataFrame | None = None  # the most time-consuming kernels per rank
     idle: pd.DataFrame | None = None  # host wait / kernel wait / other wait per rank and stream
     launch: pd.DataFrame | None = None  # per kernel launch: CPU duration, GPU duration, launch delay
+    launch_summary: pd.DataFrame | None = None  # per rank: launch cost vs kernel time vs queueing (see launch_summary)
     overlap: pd.DataFrame | None = None  # comm/comp overlap per rank (multi-rank runs)
     memory_bw: pd.DataFrame | None = None  # memcpy / memset bandwidth summary
     notes: list[str] = field(default_factory=list)
@@ -53,9 +57,23 @@ class TraceReport:
     def ranks(self) -> list[int]:
         return sorted(self.trace_files)
 
+    def table(self, name: str) -> pd.DataFrame | None:
+        """The analysis ``name`` ("temporal", "idle", "kernels", "launch_summary", ...), or None after
+        printing why it is missing (HTA failed on it, or it needs a GPU or several ranks)."""
+        df = getattr(self, name)
+        if df is None:
+            why = [n for n in self.notes if _NOTE_KEYS.get(name, name) in n] or self.notes or ["not computed"]
+            print(f"{name} is not available for this trace: {why[0]}")
+        return df
+
     def __str__(self) -> str:
         lines = [f"trace {self.trace_dir} - ranks {self.ranks}, {'GPU' if self.has_gpu else 'CPU only'}"]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+_NOTE_KEYS = {"temporal": "temporal", "kernels": "kernel breakdown", "top_kernels": "kernel breakdown",
+              "idle": "idle time", "launch": "launch", "launch_summary": "launch", "overlap": "overlap",
+              "memory_bw": "memory bandwidth"}
 
 
 def _trace_files(trace_dir: Path) -> list[Path]:
@@ -137,23 +155,42 @@ def _cpu_op_breakdown(traces: dict[int, dict]) -> pd.DataFrame:
     return out.sort_values(["rank", "self_us"], ascending=[True, False], ignore_index=True)
 
 
-# How CPU operators map onto the kernel types HTA uses for GPU kernels.
-_COMPUTE_OPS = ("conv", "mm", "matmul", "linear", "scaled_dot_product", "attention")  # lower-case substrings
+# How CPU operators map onto the kernel types HTA uses for GPU kernels. Names are matched on
+# whole words of the operator name (aten::convolution_backward -> convolution, backward;
+# ConvolutionBackward0 -> convolution, backward), never on substrings: "to" must not match
+# "autograd", "mm" must not match "comms", "conv" must not match "convex".
+_COMPUTE_WORDS = {"conv", "convolution", "conv2d", "cudnn", "mkldnn", "mm", "bmm", "addmm", "addbmm", "baddbmm",
+                  "matmul", "linear", "scaled", "attention", "sdpa", "flash", "efficient"}
 _CATEGORIES = [
-    ("convolution", ("conv",)),
-    ("matmul / attention", ("mm", "bmm", "matmul", "linear", "scaled_dot_product", "attention")),
-    ("normalization", ("group_norm", "native_group_norm", "layer_norm", "batch_norm")),
-    ("optimizer", ("Optimizer.", "_foreach", "_fused_adam", "addcdiv", "lerp")),
-    ("copy / fill / memory", ("copy_", "to", "_to_copy", "fill_", "zero_", "empty", "contiguous", "clone", "cat")),
+    ("optimizer", {"optimizer", "foreach", "adam", "adamw", "sgd", "addcdiv", "addcmul", "lerp"}),
+    ("convolution", {"conv", "convolution", "cudnn", "mkldnn"}),
+    ("matmul / attention", {"mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "scaled", "attention",
+                            "sdpa", "flash", "efficient"}),
+    ("normalization", {"norm", "group", "layer", "batch"}),
+    ("copy / fill / memory", {"copy", "to", "fill", "zero", "zeros", "empty", "contiguous", "clone", "cat", "stack",
+                              "view", "reshape", "permute", "transpose", "expand", "slice", "select", "index",
+                              "memcpy", "memset"}),
 ]
 
 
+def _words(name: str) -> list[str]:
+    """The lower-case words of an operator name: namespace, snake_case and CamelCase split apart."""
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", name.split("::")[-1])
+    return [w for w in re.split(r"[^a-zA-Z0-9]+|(?<=[a-zA-Z])(?=[0-9])|(?<=[0-9])(?=[a-zA-Z])", name.lower()) if w]
+
+
 def _category(name: str) -> str:
-    op = name.split("::")[-1]
+    words = set(_words(name))
+    if "backward" in words and words & {"conv", "convolution"}:
+        return "convolution"
     for cat, keys in _CATEGORIES:
-        if any(op.startswith(k) or f"_{k}" in op or k in name for k in keys):
+        if words & keys and not (cat == "normalization" and not words & {"norm"}):
             return cat
     return "elementwise / other"
+
+
+def _is_compute(name: str) -> bool:
+    return bool(set(_words(name)) & _COMPUTE_WORDS)
 
 
 def op_categories(cpu_ops: pd.DataFrame) -> pd.DataFrame:
@@ -186,7 +223,7 @@ def _cpu_temporal(traces: dict[int, dict]) -> pd.DataFrame:
         for e in ops:  # top-level operators only: those not nested in the previous top-level one
             if e["ts"] >= end:
                 end = e["ts"] + e.get("dur", 0)
-                is_compute = any(k in e["name"].lower() for k in _COMPUTE_OPS)  # ConvolutionBackward0 too
+                is_compute = _is_compute(e["name"])  # ConvolutionBackward0 too
                 compute += e.get("dur", 0) if is_compute else 0.0
                 other += 0.0 if is_compute else e.get("dur", 0)
         idle = max(0.0, total - compute - other)
@@ -207,10 +244,17 @@ def analyze(trace_dir: str | Path, verbose: bool = True) -> TraceReport:
     Never raises on a valid CPU-only trace (see ``TraceReport.notes``); raises ``TraceError``
     naming the path for a missing folder, an empty one, or an unreadable file.
     """
-    trace_dir = Path(trace_dir)
+    trace_dir = Path(trace_dir).resolve()  # HTA puts /tmp/trace in front of any relative path
     files, traces = _rank_map(trace_dir)
     report = TraceReport(trace_dir=trace_dir, trace_files=files, has_gpu=_has_gpu_kernels(traces),
                          cpu_ops=_cpu_op_breakdown(traces), cpu_temporal=_cpu_temporal(traces))
+    unmarked = [r for r, t in traces.items()
+                if not any(str(e.get("name", "")).startswith("ProfilerStep#") for e in t["traceEvents"])]
+    if unmarked:
+        report.notes.append(
+            f"rank(s) {unmarked} have no ProfilerStep#N markers, so the analyses cover the whole trace, not whole "
+            f"training steps. Capture with a torch.profiler schedule (ddpm_core.profiling.capture does) so steps are marked."
+        )
     if not report.has_gpu:
         report.notes.append(GPU_ONLY_NOTICE)
     else:
@@ -221,22 +265,33 @@ def analyze(trace_dir: str | Path, verbose: bool = True) -> TraceReport:
     return report
 
 
+@contextlib.contextmanager
+def _quiet():
+    """Silence HTA: it logs progress at WARNING through its own handlers, and prints."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def _run_hta(report: TraceReport) -> None:
     from hta.trace_analysis import TraceAnalysis
 
-    logging.getLogger("hta").setLevel(logging.WARNING)
     ranks = report.ranks
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hta = TraceAnalysis(trace_files={r: str(p) for r, p in report.trace_files.items()})
+        with _quiet():
+            hta = TraceAnalysis(trace_files={r: str(Path(p).resolve()) for r, p in report.trace_files.items()})
     except Exception as e:  # noqa: BLE001 - report which folder HTA choked on
         raise TraceError(f"HTA could not parse the traces in {report.trace_dir}: {type(e).__name__}: {e}") from e
 
     def attempt(what: str, call):
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with _quiet():
                 return call()
         except Exception as e:  # noqa: BLE001 - one failed analysis must not hide the others
             report.notes.append(f"HTA {what} failed on this trace: {type(e).__name__}: {e}")
@@ -252,11 +307,36 @@ def _run_hta(report: TraceReport) -> None:
     launch = attempt("kernel launch stats", lambda: hta.get_cuda_kernel_launch_stats(ranks=ranks, visualize=False))
     if launch is not None:
         report.launch = pd.concat([df.assign(rank=r) for r, df in launch.items()], ignore_index=True) if launch else None
+    if report.launch is not None:
+        report.launch_summary = launch_summary(report.launch)
     if len(ranks) > 1:
         report.overlap = attempt("comm/comp overlap", lambda: hta.get_comm_comp_overlap(visualize=False))
     else:
         report.notes.append("comm/comp overlap needs a multi-rank (DDP) run; this trace has one rank.")
     report.memory_bw = attempt("memory bandwidth summary", lambda: hta.get_memory_bw_summary(ranks=ranks))
+
+
+def launch_summary(launch: pd.DataFrame) -> pd.DataFrame:
+    """Per rank, what a kernel launch costs next to what the kernel does (times in us, medians).
+
+    HTA's ``launch_delay`` is the time from the launch call to the kernel's start. On a busy GPU
+    that is mostly *queueing* behind earlier kernels (tens of ms on a GPU-bound step), not launch
+    overhead, so it is reported apart:
+
+    - ``launch_cpu_us``: the CPU time of the launch call (cudaLaunchKernel), the real launch cost;
+    - ``kernel_us``: the kernel's GPU time;
+    - ``queue_delay_us``: launch call to kernel start (HTA's launch_delay);
+    - ``launch_bound_share``: the share of kernels shorter than their launch call. When most are,
+      the CPU cannot enqueue work as fast as the GPU finishes it: the launch-bound regime, where
+      bigger batches, fusion (torch.compile) and CUDA graphs help.
+    """
+    rows = []
+    for rank, g in launch.groupby("rank"):
+        rows.append({"rank": rank, "kernels": len(g), "launch_cpu_us": g["cpu_duration"].median(),
+                     "kernel_us": g["gpu_duration"].median(), "queue_delay_us": g["launch_delay"].median(),
+                     "launch_bound_share": float((g["gpu_duration"] < g["cpu_duration"]).mean())})
+    return pd.DataFrame(rows, columns=["rank", "kernels", "launch_cpu_us", "kernel_us", "queue_delay_us",
+                                       "launch_bound_share"])
 
 
 def events_per_step(trace_dir: str | Path) -> pd.DataFrame:

@@ -99,13 +99,104 @@ def test_bad_trace_folders_get_errors_naming_the_path(cpu_capture, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_analyze_on_a_gpu_trace_returns_hta_breakdowns(tmp_path):
+def test_analyze_on_the_projects_own_gpu_trace_through_a_relative_path(tmp_path, monkeypatch):
     t = build(tiny_config(tmp_path, device="cuda"))
     x = torch.rand(32, 3, 32, 32, device="cuda") * 2 - 1
-    cap = profiling.capture(t.train_step, x, out_dir=tmp_path / "gpu")
-    report = traces.analyze(cap.trace_dir)
+    monkeypatch.chdir(tmp_path)
+    cap = profiling.capture(t.train_step, x, out_dir="runs/traces/gpu")  # relative, as the notebooks' were
+    report = traces.analyze("runs/traces/gpu", verbose=False)
     assert report.has_gpu
     assert {"compute_time_pctg", "idle_time_pctg"} <= set(report.temporal.columns)
     assert "COMPUTATION" in set(report.kernels["kernel_type"])
-    assert report.idle is not None and report.launch is not None
+    assert report.idle is not None and report.launch is not None and report.launch_summary is not None
     assert cap.op_table()["self_device_us"].sum() > 0
+
+
+# ------------------------------------------------------------------------------ the GPU branch, on CPU
+@pytest.fixture(scope="module")
+def gpu_trace_dir(cpu_capture, tmp_path_factory):
+    from gpu_trace import gpu_trace_from_cpu
+
+    root = tmp_path_factory.mktemp("gpu")
+    gpu_trace_from_cpu(cpu_capture.trace_path, root / "traces" / "baseline" / "rank0.pt.trace.json.gz")
+    return root / "traces" / "baseline"
+
+
+def test_hta_reads_a_gpu_trace_through_a_relative_path(gpu_trace_dir, monkeypatch):
+    """HTA puts /tmp/trace in front of relative paths: every notebook passed one, and every GPU trace failed."""
+    monkeypatch.chdir(gpu_trace_dir.parent.parent)
+    rep = traces.analyze("traces/baseline", verbose=False)
+    assert rep.has_gpu and rep.trace_dir.is_absolute()
+    assert rep.temporal is not None and 0 < rep.temporal["compute_time_pctg"].iloc[0] <= 100
+    assert rep.kernels is not None and rep.idle is not None and rep.launch is not None
+
+
+def test_launch_summary_separates_launch_cost_from_queueing(cpu_capture, tmp_path):
+    from gpu_trace import gpu_trace_from_cpu
+
+    busy = traces.analyze(gpu_trace_from_cpu(cpu_capture.trace_path, tmp_path / "busy" / "rank0.pt.trace.json.gz",
+                                             kernel_us=400, launch_us=6).parent, verbose=False).launch_summary
+    tiny = traces.analyze(gpu_trace_from_cpu(cpu_capture.trace_path, tmp_path / "tiny" / "rank0.pt.trace.json.gz",
+                                             kernel_us=2, launch_us=8).parent, verbose=False).launch_summary
+    assert list(busy.columns) == ["rank", "kernels", "launch_cpu_us", "kernel_us", "queue_delay_us", "launch_bound_share"]
+    assert busy["launch_cpu_us"].iloc[0] < 10 and busy["queue_delay_us"].iloc[0] > 1000  # queued, not launch cost
+    assert busy["launch_bound_share"].iloc[0] == 0.0 and tiny["launch_bound_share"].iloc[0] == 1.0
+
+
+def test_missing_profiler_step_markers_are_a_note_and_hta_is_quiet(cpu_capture, tmp_path, capsys):
+    from gpu_trace import gpu_trace_from_cpu
+
+    d = gpu_trace_from_cpu(cpu_capture.trace_path, tmp_path / "nosteps" / "rank0.pt.trace.json.gz",
+                           drop_step_markers=True).parent
+    rep = traces.analyze(d, verbose=False)
+    assert any("no ProfilerStep#N markers" in n for n in rep.notes)
+    out = capsys.readouterr()
+    assert "Parsed" not in out.out + out.err and "leaving" not in out.out + out.err  # HTA's progress logging
+
+
+def test_report_table_prints_why_an_analysis_is_missing(gpu_trace_dir, capsys):
+    rep = traces.analyze(gpu_trace_dir, verbose=False)
+    assert rep.table("temporal") is rep.temporal
+    assert rep.table("overlap") is None
+    assert "overlap is not available for this trace: comm/comp overlap needs a multi-rank" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, category", [
+    ("aten::convolution_backward", "convolution"), ("ConvolutionBackward0", "convolution"),
+    ("aten::mkldnn_convolution", "convolution"), ("aten::_slow_conv2d_forward", "convolution"),
+    ("aten::addmm", "matmul / attention"), ("aten::bmm", "matmul / attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "matmul / attention"),
+    ("aten::_to_copy", "copy / fill / memory"), ("aten::to", "copy / fill / memory"),
+    ("aten::native_group_norm", "normalization"), ("Optimizer.step#Adam.step", "optimizer"),
+    ("aten::_foreach_lerp_", "optimizer"), ("aten::silu", "elementwise / other"),
+    # substrings that used to match: "to" in autograd, "mm" in comms, "conv" in convex
+    ("autograd::engine::evaluate_function: SiluBackward0", "elementwise / other"),
+    ("record_param_comms", "elementwise / other"), ("convex_hull", "elementwise / other"),
+])
+def test_operator_categories_match_whole_words(name, category):
+    assert traces._category(name) == category
+
+
+def test_top_ops_draws_one_rank_of_a_multi_rank_table():
+    import pandas as pd
+
+    from ddpm_core import plots
+
+    table = pd.DataFrame({"rank": [0, 0, 1, 1], "name": ["a", "b", "a", "b"], "self_us": [10.0, 5.0, 9.0, 4.0]})
+    fig = plots.top_ops(table, title="ops")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"] and len(ax.patches) == 2
+    assert "(rank 0)" in ax.get_title()
+
+
+def test_temporal_chart_legend_does_not_cover_the_axis_label(gpu_trace_dir):
+    from ddpm_core import plots
+
+    rep = traces.analyze(gpu_trace_dir, verbose=False)
+    fig = plots.temporal_breakdown(rep.temporal, label="test")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert not legend.overlaps(ax.xaxis.label.get_window_extent(renderer))
+    assert not legend.overlaps(ax.get_window_extent(renderer))
