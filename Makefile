@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run notebook test lab cifar10 clean
+.PHONY: setup run notebook test lab cifar10 reference clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ notebook: $(STAMP)       ## one notebook and its figures: make notebook NB=03
 
 test: $(STAMP)           ## the test suite (CPU; GPU tests are skipped without a GPU)
 	$(PY) -m pytest
+
+reference: $(STAMP)      ## the reference run on a GPU: gpu tests + every notebook in full mode -> data/reference/<gpu>/
+	$(PY) -m ddpm_core.reference run
 
 lab: $(STAMP)            ## open the series in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks/

@@ -18,3 +18,8 @@ def data_dir() -> Path:
 def figures_dir() -> Path:
     """Folder for figures: $DDPM_FIGURES_DIR if set (tests use a temporary one), else <repo>/figures."""
     return Path(os.environ.get("DDPM_FIGURES_DIR") or REPO_ROOT / "figures")
+
+
+def runs_dir() -> Path:
+    """Folder for run outputs (traces, checkpoints): $DDPM_RUNS_DIR if set, else <repo>/runs."""
+    return Path(os.environ.get("DDPM_RUNS_DIR") or REPO_ROOT / "runs")

@@ -1,26 +1,77 @@
-"""Reference results from full-mode runs on a real GPU, committed under ``data/reference/<gpu>/``.
+"""The reference run: every notebook in full mode on a real GPU, committed under ``data/reference/<gpu>/``.
 
-Layout of one reference folder (written by the reference-run script on the GPU machine)::
+    make reference                               # = python -m ddpm_core.reference run
+    python -m ddpm_core.reference run --parts nb-03-05     # one part (each fits an 8-minute command)
+    python -m ddpm_core.reference pack           # results.csv, trimmed traces, one archive (<= 15 MB)
+    python -m ddpm_core.reference unpack data/reference/h100-80gb-hbm3.tar.gz
 
-    data/reference/<gpu>/meta.json                 device name, torch and CUDA versions, date
-    data/reference/<gpu>/results.csv               one row per measured variant
-    data/reference/<gpu>/traces/<run>/rank0.pt.trace.json.gz
+``run`` goes in parts (``PARTS``), each at most 8 minutes on one H100, and is resumable: a part
+already done is skipped (``--force`` redoes it). Without a GPU the same command runs everything in
+smoke mode and writes a complete folder of the same layout, which the test suite checks.
 
-Notebooks show these next to what they measure locally, always labeled as the reference.
+Layout of one reference folder::
+
+    meta.json          GPU name and memory, driver, CUDA, cuDNN, torch, python, date, git commit, mode
+    parts.json         each part's status, wall seconds and error
+    tests.log          the output of the ``gpu``-marked tests (pytest -m gpu)
+    results.csv        every notebook's measurement rows (columns: see data/README.md)
+    notebooks/         the executed notebooks, with their outputs
+    figures/           the figures of the run, titled with its device
+    traces/<name>/     trimmed profiler traces (rank<R>.pt.trace.json.gz), one folder per captured run
+
+Notebooks show it with ``show(notebook, traces=[...])``: an "On <GPU> (reference run, not this
+machine)" block beside their own numbers.
 """
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
-from .paths import REPO_ROOT
+from .paths import REPO_ROOT, figures_dir
 
 REFERENCE_DIR = REPO_ROOT / "data" / "reference"
+PART_BUDGET_S = 8 * 60  # one device command is at most 10 minutes; keep 2 in hand
+RUN_BUDGET_S = 25 * 60
+ARCHIVE_LIMIT_BYTES = 15 * 2**20
+TRACE_STEPS = 3  # ProfilerSteps kept per trimmed trace (HTA drops the last one)
+WORK = "_work"  # scratch inside the folder (runs, per-notebook results): never packed or committed
+NOTEBOOK_PARTS: dict[str, list[str]] = {
+    "nb-00-02": ["00", "01", "02"],
+    "nb-03-05": ["03", "04", "05"],
+    "nb-06-07": ["06", "07"],
+    "nb-08-10": ["08", "09", "10"],
+}
+PARTS = ["meta", "gpu-tests", *NOTEBOOK_PARTS, "pack"]
+NO_REFERENCE = ("No reference GPU run is committed in data/reference/ yet: run `make reference` on a GPU "
+                "machine (README, 'Reference run').")
+RESULT_COLUMNS = [("variant", "variant"), ("batch_size", "batch"), ("precision", "precision"),
+                  ("median_ms", "ms/step"), ("p10_ms", "p10 ms"), ("p90_ms", "p90 ms"), ("images_per_s", "img/s"),
+                  ("tflops", "TFLOP/s"), ("mfu", "MFU"), ("mfu_bf16", "MFU vs bf16 peak"),
+                  ("peak_memory_gib", "peak memory (GiB)")]
 
 
-def reference_runs(root: Path = REFERENCE_DIR) -> list[Path]:
+# ------------------------------------------------------------------------------ reading
+def reference_dir() -> Path:
+    """Where reference folders live: $DDPM_REFERENCE_DIR if set, else <repo>/data/reference."""
+    return Path(os.environ.get("DDPM_REFERENCE_DIR") or REFERENCE_DIR)
+
+
+def reference_runs(root: Path | None = None) -> list[Path]:
     """The reference folders that hold a meta.json, by name."""
+    root = Path(root) if root is not None else reference_dir()
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if (p / "meta.json").is_file())
@@ -36,11 +87,398 @@ def label(folder: Path) -> str:
     m = meta(folder)
     parts = [f"reference: {m.get('device_name', Path(folder).name)}", f"torch {m.get('torch_version', '?')}"]
     if m.get("date"):
-        parts.append(str(m["date"]))
+        parts.append(str(m["date"])[:10])
+    if m.get("mode") == "smoke":
+        parts.append("smoke mode")
     return " · ".join(parts)
 
 
 def trace_dir(folder: Path, run: str) -> Path | None:
-    """The trace folder of ``run`` (e.g. "baseline") in a reference folder, if it was committed."""
+    """The trace folder of ``run`` (e.g. "02_baseline") in a reference folder, if it was committed."""
     d = Path(folder) / "traces" / run
     return d if d.is_dir() and any(d.glob("*.json*")) else None
+
+
+def trace_names(folder: Path, patterns: Sequence[str]) -> list[str]:
+    """The trace folders of a reference that match ``patterns`` (globs relative to its traces/)."""
+    root = Path(folder) / "traces"
+    found: list[str] = []
+    for pat in patterns:
+        for d in sorted(root.glob(pat)):
+            name = d.relative_to(root).as_posix()
+            if d.is_dir() and any(d.glob("*.json*")) and name not in found:
+                found.append(name)
+    return found
+
+
+def results(folder: Path, notebook: str | None = None):
+    """The reference's results.csv as a DataFrame (only ``notebook``'s rows when given)."""
+    import pandas as pd
+
+    path = Path(folder) / "results.csv"
+    if not path.exists():
+        return pd.DataFrame()
+    df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    if notebook is not None and "notebook" in df:
+        df = df[df["notebook"].astype(str) == notebook]
+    return df
+
+
+def _result_table(df):
+    cols = [(c, n) for c, n in RESULT_COLUMNS if c in df and df[c].notna().any()]
+    out = df[[c for c, _ in cols]].rename(columns=dict(cols)).reset_index(drop=True)
+    for name in ("MFU", "MFU vs bf16 peak"):
+        if name in out:
+            out[name] = out[name].map(lambda v: "" if v != v else f"{100 * float(v):.1f}%")
+    return out.round(3)
+
+
+def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | None = None) -> bool:
+    """Show the committed reference GPU run(s) for ``notebook`` (e.g. "03_batch_size") in a notebook.
+
+    For each reference folder: a heading "On <GPU> (reference run, not this machine)", the
+    notebook's result rows, HTA's temporal / idle / kernel / launch analyses of the reference
+    traces matching ``traces`` (their charts saved as ``<NN>_reference_<trace>_<kind>.png``), and
+    the notebook's own figures from that run (``figures``: default, those it declares). Returns
+    whether anything was shown; with no reference it prints one line saying how to make one.
+    """
+    from IPython.display import Image, Markdown, display
+
+    from . import plots
+    from . import traces as tr
+
+    runs = reference_runs()
+    if not runs:
+        print(NO_REFERENCE)
+        return False
+    if figures is None:
+        from .series import NOTEBOOKS_DIR, declared_figures
+
+        nb_path = NOTEBOOKS_DIR / f"{notebook}.ipynb"
+        figures = declared_figures(nb_path) if nb_path.exists() else []
+    prefix = notebook[:2]
+    for folder in runs:
+        m = meta(folder)
+        ref_label = label(folder)
+        mode = " in smoke mode (a stand-in made without a GPU)" if m.get("mode") == "smoke" else ""
+        display(Markdown(
+            f"### On {m.get('device_name', folder.name)} (reference run, not this machine)\n\n"
+            f"Everything above this heading was measured on this machine. Everything below comes from the "
+            f"reference run{mode}: {ref_label}, git commit `{str(m.get('git_commit', '?'))[:10]}`, "
+            f"committed in `data/reference/{folder.name}/`."))
+        rows = results(folder, notebook)
+        if len(rows):
+            display(_result_table(rows))
+        for name in trace_names(folder, traces):
+            try:
+                rep = tr.analyze(folder / "traces" / name, verbose=False)
+            except Exception as e:  # noqa: BLE001 - a damaged reference trace must not stop the notebook
+                print(f"reference trace {name}: cannot be read ({type(e).__name__}: {e})")
+                continue
+            stem = f"{prefix}_reference_{name.replace('/', '_')}"
+            display(Markdown(f"**Trace `{name}`** ({'GPU' if rep.has_gpu else 'CPU only'}, ranks {rep.ranks})"))
+            if rep.has_gpu:
+                temporal, kinds = rep.table("temporal"), rep.table("kernels")
+                for what in ("idle", "launch_summary"):
+                    df = rep.table(what)
+                    if df is not None:
+                        display(df)
+                title = "GPU time: compute, non-compute, idle (HTA)"
+            else:
+                temporal, kinds = rep.cpu_temporal, tr.op_categories(rep.cpu_ops)
+                title = "CPU main thread: compute ops, other ops, outside ops (no GPU in this trace)"
+            if temporal is not None and len(temporal):
+                display(temporal)
+                fig = plots.temporal_breakdown(temporal, label=ref_label, title=f"{name}: {title}")
+                plots.savefig(fig, f"{stem}_temporal.png")
+                plots.plt.show()
+            if kinds is not None and len(kinds):
+                fig = plots.kernel_breakdown(kinds, label=ref_label, title=f"{name}: " + (
+                    "GPU kernel time by type (HTA)" if rep.has_gpu else "CPU operator self time by kind"))
+                plots.savefig(fig, f"{stem}_kernels.png")
+                plots.plt.show()
+        for fig_name in figures:
+            path = folder / "figures" / fig_name
+            if path.exists():
+                display(Markdown(f"`{fig_name}` from the reference run:"))
+                display(Image(filename=str(path)))
+    return True
+
+
+# ------------------------------------------------------------------------------ traces
+def trim_trace(src: Path, dst: Path, steps: int = TRACE_STEPS) -> dict[str, int]:
+    """Copy a profiler trace keeping its first ``steps`` ProfilerStep windows.
+
+    Kept: metadata, every host event inside the window, and the GPU kernels, copies and memsets
+    launched from it (matched by correlation id: a kernel runs after its launch, often after the
+    window), with their flow events. Returns the event counts before and after.
+    """
+    with gzip.open(src, "rt") if src.name.endswith(".gz") else open(src) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    marks = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X"),
+                   key=lambda e: e["ts"])
+    if len(marks) > steps:
+        start, end = marks[0]["ts"], marks[steps - 1]["ts"] + marks[steps - 1].get("dur", 0)
+        device_cats = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
+
+        def host_kept(e: dict) -> bool:
+            return e.get("cat") not in device_cats and "ts" in e and start <= float(e["ts"]) <= end
+
+        kept_corr = {e.get("args", {}).get("correlation") for e in events
+                     if e.get("cat") == "cuda_runtime" and host_kept(e)} - {None}
+        out = []
+        for e in events:
+            if e.get("ph") == "M" or "ts" not in e:
+                out.append(e)
+            elif e.get("cat") in device_cats:
+                if e.get("args", {}).get("correlation") in kept_corr:
+                    out.append(e)
+            elif e.get("ph") in ("s", "f"):
+                if e.get("id") in kept_corr or host_kept(e):
+                    out.append(e)
+            elif host_kept(e):
+                out.append(e)
+        trace["traceEvents"] = out
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(dst, "wt", compresslevel=9) as f:
+        json.dump(trace, f, separators=(",", ":"))
+    return {"events_before": len(events), "events_after": len(trace["traceEvents"])}
+
+
+# ------------------------------------------------------------------------------ the run
+def slug(device_name: str) -> str:
+    """A folder name for a device: "NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3"."""
+    s = re.sub(r"^nvidia\s+", "", device_name.strip(), flags=re.I)
+    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "device"
+
+
+def default_out(smoke: bool) -> Path:
+    import torch
+
+    if smoke and not torch.cuda.is_available():
+        return reference_dir() / "cpu-smoke"
+    return reference_dir() / slug(torch.cuda.get_device_name(0))
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _part_meta(out: Path, smoke: bool) -> None:
+    import torch
+
+    from .env import device_name
+
+    cuda = torch.cuda.is_available()
+    info: dict[str, Any] = {
+        "device_name": device_name("cuda:0" if cuda else "cpu"),
+        "mode": "smoke" if smoke else "full",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version() if cuda else None,
+        "python_version": platform.python_version(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "cpu_cores": os.cpu_count(),
+    }
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["compute_capability"] = f"{props.major}.{props.minor}"
+        info["gpu_count"] = torch.cuda.device_count()
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            info["driver_version"] = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True,
+                timeout=30).stdout.strip().splitlines()[0:1] or None
+            info["driver_version"] = info["driver_version"][0] if info["driver_version"] else None
+    (out / "meta.json").write_text(json.dumps(info, indent=1))
+
+
+def _part_gpu_tests(out: Path, smoke: bool) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=PART_BUDGET_S)
+    log = f"$ {' '.join(cmd[2:])}\n{proc.stdout}{proc.stderr}"
+    (out / "tests.log").write_text(log)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", log)}
+    if proc.returncode not in (0, 5) or counts.get("failed") or counts.get("error") or counts.get("errors"):
+        raise RuntimeError(f"gpu tests failed (exit {proc.returncode}, {counts}); see {out / 'tests.log'}")
+    return counts
+
+
+def _env(out: Path) -> dict[str, str]:
+    work = out / WORK
+    (work / "no-reference").mkdir(parents=True, exist_ok=True)
+    return {"DDPM_RUNS_DIR": str(work / "runs"), "DDPM_RESULTS_DIR": str(work / "results"),
+            # the executed notebooks of a reference run ARE the reference: they show no other
+            "DDPM_REFERENCE_DIR": str(work / "no-reference")}
+
+
+def _part_notebooks(out: Path, smoke: bool, prefixes: list[str], only: Sequence[str] | None) -> dict:
+    from .series import list_notebooks, run_notebook
+
+    chosen = [nb for nb in list_notebooks() if any(nb.name.startswith(p) for p in prefixes)
+              and (not only or any(nb.name.startswith(o) for o in only))]
+    saved = {k: os.environ.get(k) for k in _env(out)}
+    os.environ.update(_env(out))
+    seconds = {}
+    try:
+        for nb in chosen:
+            print(f"  {nb.name} ...", flush=True)
+            run = run_notebook(nb, out / "notebooks", smoke=smoke, figures=out / "figures", timeout=PART_BUDGET_S)
+            seconds[nb.stem] = round(run.seconds, 1)
+            print(f"  {nb.name}: {run.seconds:.0f} s", flush=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {"notebooks": seconds}
+
+
+def _part_pack(out: Path, smoke: bool) -> dict:
+    import pandas as pd
+
+    work = out / WORK
+    csvs = sorted((work / "results").glob("*.csv"))
+    frames = [pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in csvs]
+    if frames:
+        pd.concat(frames, ignore_index=True).to_csv(out / "results.csv", index=False)
+    shutil.rmtree(out / "traces", ignore_errors=True)
+    trimmed = 0
+    runs = work / "runs"
+    for f in sorted(runs.rglob("*.json.gz")) if runs.exists() else []:
+        rel = f.parent.relative_to(runs)
+        rel = rel.relative_to("traces") if rel.parts[:1] == ("traces",) else rel
+        trim_trace(f, out / "traces" / rel / f.name)
+        trimmed += 1
+    archive = pack(out)
+    return {"results_rows": int(sum(len(f) for f in frames)), "traces": trimmed, "archive": str(archive),
+            "archive_mb": round(archive.stat().st_size / 2**20, 2)}
+
+
+def pack(out: Path) -> Path:
+    """``<out>.tar.gz`` of the folder without its scratch; fails naming the biggest files past 15 MB."""
+    out = Path(out)
+    archive = out.parent / f"{out.name}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(out, arcname=out.name, filter=lambda ti: None if f"/{WORK}" in f"/{ti.name}/" else ti)
+    size = archive.stat().st_size
+    if size > ARCHIVE_LIMIT_BYTES:
+        files = sorted((p for p in out.rglob("*") if p.is_file() and WORK not in p.parts),
+                       key=lambda p: p.stat().st_size, reverse=True)[:5]
+        biggest = ", ".join(f"{p.relative_to(out)} ({p.stat().st_size / 2**20:.1f} MB)" for p in files)
+        raise RuntimeError(f"{archive} is {size / 2**20:.1f} MB, over the {ARCHIVE_LIMIT_BYTES / 2**20:.0f} MB a "
+                           f"reference may take. Biggest files: {biggest}. Fix: capture fewer steps or trim harder.")
+    return archive
+
+
+def unpack(archive: Path, root: Path | None = None, figures: Path | None = None) -> Path:
+    """Extract a reference archive into ``root`` (data/reference) and copy its figures into figures/."""
+    root = Path(root) if root is not None else reference_dir()
+    figures = Path(figures) if figures is not None else figures_dir()
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        top = {n.split("/", 1)[0] for n in names}
+        if len(top) != 1 or any(n.startswith("/") or ".." in Path(n).parts for n in names):
+            raise ValueError(f"{archive} is not a reference archive (one top folder, relative paths). "
+                             f"Fix: make it with `python -m ddpm_core.reference pack`.")
+        folder = root / top.pop()
+        if folder.exists():
+            shutil.rmtree(folder)
+        root.mkdir(parents=True, exist_ok=True)
+        tar.extractall(root, filter="data") if sys.version_info >= (3, 12) else tar.extractall(root)
+    if not (folder / "meta.json").exists():
+        raise ValueError(f"{archive} holds no meta.json: not a reference run")
+    figures.mkdir(parents=True, exist_ok=True)
+    for png in sorted((folder / "figures").glob("*.png")):
+        shutil.copy2(png, figures / png.name)
+    return folder
+
+
+def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[str] | None = None,
+        force: bool = False, notebooks: Sequence[str] | None = None) -> Path:
+    """Run the reference ``parts`` (default: all) into ``out``; skip parts already done unless ``force``."""
+    import torch
+
+    smoke = (not torch.cuda.is_available()) if smoke is None else smoke
+    out = Path(out) if out is not None else default_out(smoke)
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = [p for p in (parts or []) if p not in PARTS]
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}; the parts are {PARTS}")
+    status_path = out / "parts.json"
+    status = json.loads(status_path.read_text()) if status_path.exists() else {}
+    if status.get("_mode") not in (None, "smoke" if smoke else "full"):
+        raise ValueError(f"{out} holds a {status['_mode']} run; this one is {'smoke' if smoke else 'full'}. "
+                         f"Fix: another --out, or delete {out}.")
+    status["_mode"] = "smoke" if smoke else "full"
+    actions: dict[str, Callable[[], Any]] = {
+        "meta": lambda: _part_meta(out, smoke),
+        "gpu-tests": lambda: _part_gpu_tests(out, smoke),
+        **{name: (lambda pre=pre: _part_notebooks(out, smoke, pre, notebooks)) for name, pre in NOTEBOOK_PARTS.items()},
+        "pack": lambda: _part_pack(out, smoke),
+    }
+    print(f"reference run -> {out} ({'smoke' if smoke else 'full'} mode)", flush=True)
+    total = 0.0
+    for part in parts or PARTS:
+        if status.get(part, {}).get("status") == "done" and not force:
+            print(f"[{part}] already done ({status[part]['seconds']:.0f} s): skipped", flush=True)
+            continue
+        print(f"[{part}] ...", flush=True)
+        start = time.perf_counter()
+        try:
+            detail = actions[part]() or {}
+        except Exception as e:
+            status[part] = {"status": "failed", "seconds": round(time.perf_counter() - start, 1),
+                            "error": f"{type(e).__name__}: {e}"}
+            status_path.write_text(json.dumps(status, indent=1))
+            raise RuntimeError(f"reference part {part!r} failed: {type(e).__name__}: {e} (status in {status_path})") from e
+        seconds = time.perf_counter() - start
+        total += seconds
+        status[part] = {"status": "done", "seconds": round(seconds, 1), **detail}
+        status_path.write_text(json.dumps(status, indent=1))
+        over = " OVER BUDGET" if seconds > PART_BUDGET_S else ""
+        print(f"[{part}] done in {seconds:.0f} s (budget {PART_BUDGET_S} s per part){over}", flush=True)
+    print(f"this command: {total:.0f} s (a whole run must stay under {RUN_BUDGET_S} s)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddpm_core.reference", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the reference parts (resumable)")
+    mode = r.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", default=None, help="smoke mode (default without a GPU)")
+    mode.add_argument("--full", action="store_true", help="full mode (default with a GPU)")
+    r.add_argument("--out", default=None, help="the reference folder (default: data/reference/<gpu>)")
+    r.add_argument("--parts", nargs="+", default=None, choices=PARTS, help=f"parts to run (default: all: {PARTS})")
+    r.add_argument("--notebooks", nargs="+", default=None, help="only these notebook number prefixes")
+    r.add_argument("--force", action="store_true", help="redo parts already done")
+    k = sub.add_parser("pack", help="pack a reference folder into <folder>.tar.gz")
+    k.add_argument("folder")
+    u = sub.add_parser("unpack", help="extract a reference archive into data/reference and figures/")
+    u.add_argument("archive")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "run":
+            smoke = True if args.smoke else (False if args.full else None)
+            run(args.out, smoke=smoke, parts=args.parts, force=args.force, notebooks=args.notebooks)
+        elif args.cmd == "pack":
+            print(pack(Path(args.folder)))
+        else:
+            print(f"unpacked into {unpack(Path(args.archive))}")
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
