@@ -1,0 +1,169 @@
+"""The reference run: one command writes a complete, packable reference folder, and every notebook shows it.
+
+The whole series runs once per test session, in smoke mode, through ``python -m ddpm_core.reference run``:
+that is both the notebooks' smoke test and the reference command's test.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+
+from ddpm_core import reference, series, traces
+
+NOTEBOOKS = series.list_notebooks()
+MEASURING = ["02", "03", "04", "05", "06", "07", "08", "09", "10"]  # notebooks that append result rows
+
+
+@pytest.fixture(scope="session")
+def smoke_reference(tmp_path_factory, data_root):
+    root = tmp_path_factory.mktemp("reference")
+    out = root / "cpu-smoke"
+    env = {**os.environ, "DDPM_DATA_DIR": data_root, "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
+           "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ddpm_core.reference", "run", "--smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout, time.perf_counter() - start, env
+
+
+@pytest.mark.slow
+def test_the_reference_command_writes_a_complete_folder(smoke_reference):
+    out, log, seconds, _ = smoke_reference
+    meta = json.loads((out / "meta.json").read_text())
+    for key in ("device_name", "mode", "date", "torch_version", "cuda_version", "python_version", "git_commit"):
+        assert key in meta, key
+    assert meta["mode"] == "smoke"
+    status = json.loads((out / "parts.json").read_text())
+    assert [p for p in reference.PARTS if status[p]["status"] != "done"] == []
+    assert "passed" in (out / "tests.log").read_text() or "skipped" in (out / "tests.log").read_text()
+    for nb in NOTEBOOKS:
+        assert (out / "notebooks" / nb.name).exists(), nb.name
+        for fig in series.declared_figures(nb):
+            assert (out / "figures" / fig).stat().st_size > 5000, fig
+    assert "OVER BUDGET" not in log
+
+
+@pytest.mark.slow
+def test_results_csv_has_every_measuring_notebook_with_the_documented_columns(smoke_reference):
+    out = smoke_reference[0]
+    df = pd.read_csv(out / "results.csv")
+    assert {nb[:2] for nb in df["notebook"].astype(str)} >= set(MEASURING)
+    documented = (Path(reference.__file__).parents[1] / "data" / "README.md").read_text()
+    for col in ("notebook", "variant", "device_name", "torch_version", "timestamp", "config", "median_ms",
+                "images_per_s", "mfu", "mfu_bf16", "precision"):
+        assert col in df.columns, col
+        assert f"`{col}`" in documented, f"data/README.md does not document the results column {col}"
+
+
+@pytest.mark.slow
+def test_traces_are_trimmed_and_still_read_by_hta(smoke_reference):
+    out = smoke_reference[0]
+    names = reference.trace_names(out, ["*", "*/*"])
+    assert {"02_baseline", "07_data_loading"} <= set(names) and any(n.startswith("03_batch_size/") for n in names)
+    for name in names:
+        for f in (out / "traces" / name).glob("*.json.gz"):
+            with gzip.open(f, "rt") as fh:
+                steps = {e["name"] for e in json.load(fh)["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
+            assert 1 <= len(steps) <= reference.TRACE_STEPS, (name, steps)
+    rep = traces.analyze(out / "traces" / "02_baseline", verbose=False)
+    assert rep.cpu_temporal is not None and len(rep.cpu_ops)
+
+
+@pytest.mark.slow
+def test_the_archive_fits_and_unpacks_into_data_reference_and_figures(smoke_reference, tmp_path):
+    out = smoke_reference[0]
+    archive = out.parent / f"{out.name}.tar.gz"
+    assert archive.stat().st_size <= reference.ARCHIVE_LIMIT_BYTES
+    with tarfile.open(archive) as tar:
+        assert not [n for n in tar.getnames() if reference.WORK in n]
+    folder = reference.unpack(archive, root=tmp_path / "data" / "reference", figures=tmp_path / "figures")
+    assert folder == tmp_path / "data" / "reference" / "cpu-smoke" and (folder / "meta.json").exists()
+    assert (tmp_path / "figures" / "02_top_ops.png").exists()
+
+
+@pytest.mark.slow
+def test_a_second_run_skips_every_part(smoke_reference):
+    out, _, _, env = smoke_reference
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ddpm_core.reference", "run", "--smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("already done") == len(reference.PARTS)
+    assert time.perf_counter() - start < 60
+
+
+def _reference_cells(nb: Path) -> list:
+    book = nbformat.read(nb, as_version=4)
+    return [c for c in book.cells if c.cell_type == "code" and "reference" in c.metadata.get("tags", [])]
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_notebook_has_a_self_contained_reference_cell(nb):
+    cells = _reference_cells(nb)
+    assert len(cells) == 1 and f'reference.show("{nb.stem}"' in cells[0].source
+
+
+@pytest.mark.slow
+def test_with_a_smoke_reference_every_notebook_shows_the_reference_block(smoke_reference, tmp_path, monkeypatch):
+    from nbclient import NotebookClient
+
+    out = smoke_reference[0]
+    monkeypatch.setenv("DDPM_REFERENCE_DIR", str(out.parent))
+    monkeypatch.setenv("DDPM_FIGURES_DIR", str(tmp_path / "figures"))
+    cells = [c for nb in NOTEBOOKS for c in _reference_cells(nb)]
+    book = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.source) for c in cells])
+    NotebookClient(book, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    for nb, cell in zip(NOTEBOOKS, book.cells):
+        text = json.dumps(cell.outputs)
+        assert "(reference run, not this machine)" in text, nb.name
+        assert "Traceback" not in text and "Error" not in text.replace("stderr", ""), nb.name
+    assert (tmp_path / "figures" / "02_reference_02_baseline_temporal.png").exists()
+
+
+def test_without_a_reference_the_block_says_how_to_make_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path / "none"))
+    assert reference.show("02_profile_the_baseline", traces=["02_baseline"]) is False
+    assert "make reference" in capsys.readouterr().out
+
+
+def test_trim_keeps_the_asked_steps_and_the_kernels_they_launched(tmp_path):
+    from gpu_trace import gpu_trace_from_cpu
+
+    from ddpm_core import profiling
+    from ddpm_core.train import build
+    from helpers import tiny_config
+    import torch
+
+    t = build(tiny_config(tmp_path, batch_size=2))
+    cap = profiling.capture(t.train_step, torch.rand(2, 3, 32, 32) * 2 - 1, out_dir=tmp_path / "cpu", active=5)
+    src = gpu_trace_from_cpu(cap.trace_path, tmp_path / "gpu" / "rank0.pt.trace.json.gz")
+    counts = reference.trim_trace(src, tmp_path / "trim" / "rank0.pt.trace.json.gz", steps=2)
+    assert counts["events_after"] < counts["events_before"]
+    with gzip.open(tmp_path / "trim" / "rank0.pt.trace.json.gz", "rt") as f:
+        kept = json.load(f)
+    steps = [e for e in kept["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+    kernels = [e for e in kept["traceEvents"] if e.get("cat") == "kernel"]
+    launches = {e["args"]["correlation"] for e in kept["traceEvents"] if e.get("cat") == "cuda_runtime"}
+    assert len(steps) == 2 and kernels and {k["args"]["correlation"] for k in kernels} == launches
+    assert kept["distributedInfo"]["rank"] == 0 and kept["deviceProperties"]
+    rep = traces.analyze(tmp_path / "trim", verbose=False)
+    assert rep.has_gpu and rep.temporal is not None
+
+
+def test_slug_and_parts():
+    assert reference.slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert reference.slug("NVIDIA H200") == "h200"
+    assert reference.PARTS[0] == "meta" and reference.PARTS[-1] == "pack"
+    with pytest.raises(ValueError, match="unknown part"):
+        reference.run(Path("/tmp/never"), smoke=True, parts=["nb-99"])
