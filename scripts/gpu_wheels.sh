@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Download into .whl/ the wheels a bare GPU machine needs for `make reference` but lacks: it has
+# python 3.12 with torch, numpy, pandas, matplotlib and seaborn, and no network. Run this HERE (with
+# network), carry .whl/ to the GPU machine, and start the command there with:
+#
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site:$PWD
+#
+# Versions are the ones this repo's .venv tested (pip freeze), so both machines run the same code.
+# TORCHVISION must pair with the GPU machine's torch (0.26 <-> torch 2.11; torchvision 0.N <-> torch 2.(N-15)).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+TORCHVISION=${TORCHVISION:-0.26.0}
+NAMES="HolisticTraceAnalysis plotly narwhals pydot pyparsing papermill nbclient nbformat jupyter_client jupyter_core
+ipykernel ipython ipython_pygments_lexers traitlets comm debugpy tenacity entrypoints pyzmq tornado fastjsonschema
+jsonschema jsonschema-specifications referencing rpds-py attrs click PyYAML requests charset-normalizer idna urllib3
+certifi decorator jedi parso pexpect ptyprocess prompt_toolkit wcwidth Pygments stack-data executing asttokens
+pure_eval matplotlib-inline nest-asyncio2 platformdirs python-dateutil pytest pluggy iniconfig tqdm psutil
+ipywidgets widgetsnbextension jupyterlab_widgets packaging typing_extensions six"
+freeze=$("$PY" -m pip freeze 2>/dev/null)
+specs=()
+for n in $NAMES; do
+  v=$(printf '%s\n' "$freeze" | grep -i -E "^${n//[-_]/[-_]}==" | head -1 || true)
+  specs+=("${v:-$n}")
+done
+specs+=("torchvision==$TORCHVISION")
+mkdir -p .whl
+for s in "${specs[@]}"; do
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl "$s" \
+    || { echo "could not download $s" >&2; exit 1; }
+done
+du -sh .whl
