@@ -291,8 +291,11 @@ def _precision_of(fn: Callable[..., Any]) -> str | None:
 
 
 def _uses_cuda_graphs(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a method of a trainer whose compile mode replays CUDA graphs."""
+    from .train import CUDAGRAPH_MODES
+
     cfg = getattr(getattr(fn, "__self__", None), "cfg", None)
-    return getattr(cfg, "compile", None) in ("reduce-overhead", "max-autotune")
+    return getattr(cfg, "compile", None) in CUDAGRAPH_MODES
 
 
 def mfu_fields(tflops: float, device_name_: str, precision: str) -> dict[str, Any]:
@@ -345,7 +348,9 @@ def measure(
     the dense peak of the step's precision, and ``mfu_bf16`` against the dense bf16 peak.
     ``precision`` defaults to the trainer's when ``fn`` is a trainer method (``t.train_step``);
     for any other callable with ``flops`` it must be given. ``cuda_graphs`` (default: from the
-    trainer's compile mode) reports reserved memory, which holds the CUDA-graph pools.
+    trainer's compile mode when ``fn`` is ``t.train_step``; pass it for a lambda around a trainer
+    compiled with "reduce-overhead" or "max-autotune") reports reserved memory, which holds the
+    CUDA-graph pools.
     """
     if iters < 1 or warmup < 1:
         raise ValueError(f"need warmup >= 1 (the first call is timed apart) and iters >= 1; got warmup={warmup}, iters={iters}")
@@ -376,6 +381,10 @@ def measure(
 
     times: list[float] = []
     if cuda:
+        if cuda_graphs:
+            # Give back cached blocks nobody uses (earlier stages' leftovers) so that "reserved"
+            # counts what this step holds: the graph pools stay, they are in use.
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -446,7 +455,11 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def free_memory(device: torch.device | str | None = None) -> None:
-    """Give cached device memory back after an out-of-memory error, so the kernel lives on."""
+    """Give cached device memory back after an out-of-memory error, so the kernel lives on.
+
+    Call it after the ``except`` clause that caught the error, not inside it: until the clause
+    ends, the exception's traceback keeps the failed step's frames and tensors alive.
+    """
     import gc
 
     gc.collect()
@@ -461,19 +474,21 @@ def largest_batch(step: Callable[[int], Any], start: int, max_batch: int, device
     ``step(b)`` should build its input and run one training step at batch ``b``. Out-of-memory
     errors are caught and the cache is freed, so the caller's process survives.
     """
-    best, b = None, start
+    best, b, hit = None, start, False
     while b <= max_batch:
         try:
             step(b)
         except Exception as e:  # noqa: BLE001 - only OOM is expected; anything else is re-raised
             if not is_out_of_memory(e):
                 raise
-            del e
-            free_memory(device)
-            return best, True
+            hit = True
+        # Free only here, after the except clause: while it runs, the exception's traceback keeps
+        # the failed step's frames, and with them its activations, alive.
+        if hit:
+            break
         best, b = b, b * 2
     free_memory(device)
-    return best, False
+    return best, hit
 
 
 def attention_inputs(model_or_trainer: Any, x: torch.Tensor, t: torch.Tensor | None = None

@@ -103,6 +103,11 @@ class AttnBlock(nn.Module):
             scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # B x heads x N x N
             out = torch.matmul(scores.softmax(dim=-1), v)
         out = out.permute(0, 1, 3, 2).reshape(b, c, hgt, wid)  # B x heads x d x N -> B x C x H x W
+        # That view is strided like channels_last. Copy it to x's layout, or proj_out would run (and
+        # write its weight gradient) in the other one: a layout switch per block, and DDP's
+        # "grad strides do not match bucket view strides" copy.
+        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        out = out.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         return x + self.proj_out(out)
 
     def qkv_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -116,6 +116,25 @@ def test_largest_batch_stops_at_out_of_memory_and_survives():
         bench.largest_batch(lambda b: (_ for _ in ()).throw(ValueError("a bug, not OOM")), 8, 32, "cpu")
 
 
+def test_largest_batch_frees_memory_only_once_the_failed_steps_tensors_are_gone(monkeypatch):
+    """free_memory used to run inside the except clause, while the traceback still held the failed
+    step's frames: its activations stayed alive and empty_cache could give nothing back."""
+    import weakref
+
+    alive_at_free = []
+    refs = []
+
+    def step(b):
+        activations = torch.empty(b, 1024)  # what a real step holds in its frames when it runs out
+        refs.append(weakref.ref(activations))
+        if b > 16:
+            raise torch.OutOfMemoryError(f"CUDA out of memory at batch {b}")
+
+    monkeypatch.setattr(bench, "free_memory", lambda device=None: alive_at_free.append(refs[-1]() is not None))
+    assert bench.largest_batch(step, 8, 4096, "cpu") == (16, True)
+    assert alive_at_free == [False]
+
+
 def test_sdpa_backends_names_the_default_and_math_always_runs():
     q = torch.randn(1, 1, 16, 8)
     df = bench.sdpa_backends(q, q, q)
@@ -157,8 +176,12 @@ def test_measure_takes_the_precision_from_the_trainer_and_refuses_to_guess(tmp_p
     x = torch.rand(4, 3, 32, 32) * 2 - 1
     m = bench.measure(t.train_step, x, batch_size=4, warmup=1, iters=1, flops=10**9)
     assert m.precision == "bf16"  # was: silently "fp32", a 15x too small peak on a GPU
+    calls = []
     with pytest.raises(ValueError, match=r"pass precision="):
-        bench.measure(lambda: t.train_step(x), batch_size=4, warmup=1, iters=1, flops=10**9)
+        bench.measure(lambda: calls.append(t.train_step(x)), batch_size=4, warmup=1, iters=1, flops=10**9)
+    assert calls == []  # refused before running anything
+    m = bench.measure(lambda: t.train_step(x), batch_size=4, warmup=1, iters=1, flops=10**9, precision="bf16")
+    assert m.precision == "bf16"
     row = bench.summary_table([m]).iloc[0]
     assert "MFU vs bf16 peak" in row.index
 

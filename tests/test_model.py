@@ -106,3 +106,17 @@ def test_attention_inputs_follow_the_trainers_autocast(tmp_path):
     t = build(TrainConfig(model="tiny", device="cpu", precision="bf16", attention="sdpa", out_dir=str(tmp_path)))
     q, k, v = bench.attention_inputs(t, torch.randn(2, 3, 32, 32))
     assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_every_gradient_has_its_parameters_layout(channels_last):
+    """The attention output used to reach proj_out strided like channels_last in a contiguous model:
+    its weight gradient came out channels_last, and DDP copied it into its buckets with a warning."""
+    torch.manual_seed(0)
+    model = preset("tiny", attention="sdpa", dropout=0.0)
+    x = torch.randn(2, 3, 32, 32)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    model(x, torch.zeros(2, dtype=torch.long)).sum().backward()
+    mismatched = [name for name, p in model.named_parameters() if p.grad.stride() != p.stride()]
+    assert mismatched == []

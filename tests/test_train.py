@@ -313,8 +313,11 @@ def test_resume_loads_the_checkpoint_on_the_cpu_so_adam_step_counters_stay_there
     t.device = torch.device("cpu")
     assert locations == ["cpu"]  # was the trainer's device
     steps = [s["step"] for s in t.optimizer.state.values()]
-    assert steps and all(s.device.type == "cpu" for s in steps)
+    assert steps and all(s.device.type == "cpu" for s in steps) and all(float(s) == 2 for s in steps)
     assert all(p.device == t.device for p in t.model.parameters())
+    saved = load_checkpoint_file(list_checkpoints(cfg.out_dir)[-1])
+    assert all(torch.equal(v, saved["ema"][k]) for k, v in t.ema.state_dict().items())  # EMA restored too
+    assert torch.equal(t.generator.get_state(), saved["rng"][0]["generator"])  # and the step's random stream
 
 
 def test_more_processes_than_gpus_get_a_clear_error_before_any_work(monkeypatch):
@@ -327,3 +330,9 @@ def test_more_processes_than_gpus_get_a_clear_error_before_any_work(monkeypatch)
         train_mod.resolve_device("auto")
     with pytest.raises(ValueError, match=r"cuda:3.*only 1 GPU"):
         train_mod.resolve_device("cuda:3")
+    # Under torchrun the check runs when joining the group, before torch.cuda.set_device and NCCL.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) before the check"))
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 1 but only 1 GPU"):
+        train_mod._init_distributed(TrainConfig(model="tiny", device="auto"))
