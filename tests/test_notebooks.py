@@ -76,3 +76,34 @@ def test_the_harness_fails_a_notebook_that_skips_a_declared_figure(tmp_path):
     with pytest.raises(series.NotebookFailed, match="99_forgotten.png"):
         series.run_notebook(nb, tmp_path / "out", smoke=True, figures=tmp_path / "figs")
     assert json.loads((tmp_path / "out" / "99_probe.ipynb").read_text())["cells"]
+
+
+# ------------------------------------------------------------------------------ full mode fits any single GPU
+def _code(stem: str) -> str:
+    nb = next(n for n in NOTEBOOKS if n.stem == stem)
+    return "\n".join(c.source for c in nbformat.read(nb, as_version=4).cells if c.cell_type == "code")
+
+
+def test_no_full_mode_batch_is_sized_for_one_80gb_gpu():
+    """09 had BIG_BATCH = 1024 in fp32 with math attention: ~50 GiB of activations, a crash below 80 GB."""
+    import re
+
+    for nb in NOTEBOOKS:
+        book = nbformat.read(nb, as_version=4)
+        params = next(c.source for c in book.cells if "parameters" in c.metadata.get("tags", []))
+        for name, full in re.findall(r"^(\w*BATCH\w*) = .* if SMOKE else (\d+)", params, re.M):
+            assert int(full) <= 256, f"{nb.name}: {name} = {full} in full mode does not fit a 16 GB GPU in fp32"
+    assert "bench.largest_batch(" in _code("09_putting_it_together")
+
+
+def test_each_compile_mode_compiles_in_a_cell_of_its_own():
+    """04 compiled default, reduce-overhead and max-autotune in one cell: past papermill's per-cell timeout."""
+    book = nbformat.read(next(n for n in NOTEBOOKS if n.stem == "04_torch_compile"), as_version=4)
+    calls = [c.source for c in book.cells if c.cell_type == "code" and "compile_and_measure(\"" in c.source]
+    assert len(calls) == 3 and all(c.count("compile_and_measure(") == 1 for c in calls)
+
+
+def test_notebooks_write_runs_under_the_runs_dir_not_relative_paths():
+    """HTA prefixes relative paths with /tmp/trace; and the reference run collects traces from runs_dir()."""
+    for nb in NOTEBOOKS:
+        assert "../runs" not in _code(nb.stem), nb.name
