@@ -369,7 +369,7 @@ def pack(out: Path) -> Path:
     out = Path(out)
     archive = out.parent / f"{out.name}.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
-        tar.add(out, arcname=out.name, filter=lambda ti: None if f"/{WORK}" in f"/{ti.name}/" else ti)
+        tar.add(out, arcname=out.name, filter=lambda ti: None if WORK in Path(ti.name).parts else ti)
     size = archive.stat().st_size
     if size > ARCHIVE_LIMIT_BYTES:
         files = sorted((p for p in out.rglob("*") if p.is_file() and WORK not in p.parts),
