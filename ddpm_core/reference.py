@@ -294,10 +294,9 @@ def _part_meta(out: Path, smoke: bool) -> None:
         info["gpu_count"] = torch.cuda.device_count()
         smi = shutil.which("nvidia-smi")
         if smi:
-            info["driver_version"] = subprocess.run(
-                [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True,
-                timeout=30).stdout.strip().splitlines()[0:1] or None
-            info["driver_version"] = info["driver_version"][0] if info["driver_version"] else None
+            lines = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30).stdout.split()
+            info["driver_version"] = lines[0] if lines else None
     (out / "meta.json").write_text(json.dumps(info, indent=1))
 
 
@@ -321,25 +320,17 @@ def _env(out: Path) -> dict[str, str]:
 
 
 def _part_notebooks(out: Path, smoke: bool, prefixes: list[str], only: Sequence[str] | None) -> dict:
-    from .series import list_notebooks, run_notebook
+    from .series import list_notebooks, run_notebook, temporary_env
 
     chosen = [nb for nb in list_notebooks() if any(nb.name.startswith(p) for p in prefixes)
               and (not only or any(nb.name.startswith(o) for o in only))]
-    saved = {k: os.environ.get(k) for k in _env(out)}
-    os.environ.update(_env(out))
     seconds = {}
-    try:
+    with temporary_env(_env(out)):
         for nb in chosen:
             print(f"  {nb.name} ...", flush=True)
             run = run_notebook(nb, out / "notebooks", smoke=smoke, figures=out / "figures", timeout=PART_BUDGET_S)
             seconds[nb.stem] = round(run.seconds, 1)
             print(f"  {nb.name}: {run.seconds:.0f} s", flush=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return {"notebooks": seconds}
 
 

@@ -12,12 +12,14 @@ or ``$DDPM_FIGURES_DIR``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from .paths import REPO_ROOT, figures_dir
 
@@ -47,6 +49,21 @@ def declared_figures(notebook: Path) -> list[str]:
     return list(meta.get("ddpm", {}).get("figures", []))
 
 
+@contextlib.contextmanager
+def temporary_env(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables (seen by the kernels started inside) and restore them afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | None = None,
                  timeout: int = 1800, parameters: dict | None = None) -> NotebookRun:
     """Execute ``notebook`` into ``out_dir`` and check its declared figures were written.
@@ -60,24 +77,16 @@ def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | 
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = Path(figures) if figures is not None else figures_dir()
     executed = out_dir / notebook.name
-    env_backup = {k: os.environ.get(k) for k in ("DDPM_SMOKE", "DDPM_FIGURES_DIR")}
-    os.environ["DDPM_SMOKE"] = "1" if smoke else "0"
-    os.environ["DDPM_FIGURES_DIR"] = str(figures)
     expected = declared_figures(notebook)
     before = {name: (figures / name).stat().st_mtime_ns if (figures / name).exists() else None for name in expected}
     start = time.perf_counter()
     try:
-        pm.execute_notebook(str(notebook), str(executed), parameters=parameters or {}, cwd=str(notebook.parent),
-                            kernel_name="python3", progress_bar=False, execution_timeout=timeout)
+        with temporary_env({"DDPM_SMOKE": "1" if smoke else "0", "DDPM_FIGURES_DIR": str(figures)}):
+            pm.execute_notebook(str(notebook), str(executed), parameters=parameters or {}, cwd=str(notebook.parent),
+                                kernel_name="python3", progress_bar=False, execution_timeout=timeout)
     except pm.PapermillExecutionError as e:
         raise NotebookFailed(f"{notebook.name}: cell {e.exec_count} raised {e.ename}: {e.evalue} "
                              f"(executed copy: {executed})") from e
-    finally:
-        for k, v in env_backup.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     seconds = time.perf_counter() - start
     missing = [n for n in expected if not (figures / n).exists() or (figures / n).stat().st_mtime_ns == before[n]]
     if missing:

@@ -166,7 +166,7 @@ _CATEGORIES = [
     ("convolution", {"conv", "convolution", "cudnn", "mkldnn"}),
     ("matmul / attention", {"mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "scaled", "attention",
                             "sdpa", "flash", "efficient"}),
-    ("normalization", {"norm", "group", "layer", "batch"}),
+    ("normalization", {"norm"}),  # group_norm, layer_norm, batch_norm, NativeGroupNormBackward0
     ("copy / fill / memory", {"copy", "to", "fill", "zero", "zeros", "empty", "contiguous", "clone", "cat", "stack",
                               "view", "reshape", "permute", "transpose", "expand", "slice", "select", "index",
                               "memcpy", "memset"}),
@@ -184,7 +184,7 @@ def _category(name: str) -> str:
     if "backward" in words and words & {"conv", "convolution"}:
         return "convolution"
     for cat, keys in _CATEGORIES:
-        if words & keys and not (cat == "normalization" and not words & {"norm"}):
+        if words & keys:
             return cat
     return "elementwise / other"
 
