@@ -11,9 +11,9 @@ softmax(QK^T)V whatever kernel ran), so a kernel that recomputes does not earn e
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -243,40 +243,6 @@ class Measurement:
         return s + (f" [{self.note}]" if self.note else "")
 
 
-class _RssSampler:
-    """Peak resident memory of this process above its level at start, sampled every ``interval`` s.
-
-    The CPU allocator keeps no statistics, so on CPU this is the honest stand-in for
-    ``torch.cuda.max_memory_allocated``: what the measured steps added to the process.
-    """
-
-    def __init__(self, interval: float = 0.002):
-        import psutil
-
-        self.proc, self.interval = psutil.Process(), interval
-        self.base = self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> "_RssSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    @property
-    def increase(self) -> int:
-        return max(0, self.peak - self.base)
-
-
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -386,40 +352,357 @@ def measure(
             # counts what this step holds: the graph pools stay, they are in use.
             torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        for s, e in zip(starts, ends):
-            s.record()
-            fn(*args, **kwargs)
-            e.record()
-        sync()
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        times = _cuda_times(fn, args, kwargs, iters, device)
         peak_mem, reserved, mem_kind = cuda_peak_memory(device, cuda_graphs)
     else:
-        with _RssSampler() as rss:
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn(*args, **kwargs)
-                times.append(1e3 * (time.perf_counter() - t0))
-        peak_mem, reserved, mem_kind = rss.increase, None, "peak RSS increase (CPU, sampled)"
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn(*args, **kwargs)
+            times.append(1e3 * (time.perf_counter() - t0))
+        peak_mem, mem_kind = saved_tensor_bytes(fn, *args, **kwargs)
+        reserved = None
+    return _measurement(name, device, batch_size, first_ms, times, peak_mem, mem_kind, reserved, flops, precision)
 
+
+def _cuda_times(fn: Callable[..., Any], args: tuple, kwargs: dict, iters: int, device: torch.device) -> list[float]:
+    """``iters`` calls of ``fn``, each bracketed by CUDA events; ms per call."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn(*args, **kwargs)
+        e.record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def _measurement(name: str, device: torch.device, batch_size: int, first_ms: float, times: list[float],
+                 peak_mem: int | None, mem_kind: str, reserved: int | None, flops: int | None,
+                 precision: str | None) -> Measurement:
     q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
     median = statistics.median(times)
     m = Measurement(
         name=name, device=str(device), device_name=device_name(device), torch_version=torch.__version__,
-        batch_size=batch_size, iters=iters, first_ms=first_ms, median_ms=median, p10_ms=q[0], p90_ms=q[-1],
+        batch_size=batch_size, iters=len(times), first_ms=first_ms, median_ms=median, p10_ms=q[0], p90_ms=q[-1],
         images_per_s=batch_size / (median / 1e3), peak_memory_bytes=peak_mem, memory_kind=mem_kind,
-        times_ms=times, precision=precision, reserved_bytes=reserved,
+        times_ms=list(times), precision=precision, reserved_bytes=reserved,
     )
     if flops is not None:
         m.flops_per_step = int(flops)
         m.tflops = flops / (median / 1e3) / 1e12
-        if cuda:
+        if device.type == "cuda":
             for key, value in mfu_fields(m.tflops, m.device_name, precision).items():
                 setattr(m, key, value)
         else:
             m.note = peak_for(device, precision)[1]
     return m
+
+
+SAVED_KIND = "saved for backward (CPU)"
+
+
+def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int | None, str]:
+    """Bytes of the tensors one call of ``fn`` saves for its backward pass, and what that is.
+
+    The CPU allocator keeps no statistics, and the resident-set size of a process moves with the
+    allocator's caching, not with the step (it read 0 MiB for a bf16 step). What a training step
+    holds at its peak is, above the weights and optimizer state, the activations autograd saves
+    between forward and backward: that is what a bigger batch, bf16 (half the bytes) or a fused
+    attention (no T x T matrix) change. Counted with ``torch.autograd.graph.saved_tensors_hooks``
+    during one extra call (a real training step), each storage once; parameters (leaf tensors
+    that require grad) are not activations and are left out. Compiled steps report what their
+    compiled graph saves. Returns (None, reason) if the hooks cannot run the step.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_leaf and t.requires_grad):
+            try:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+            except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse, functional wrappers)
+                seen[id(t)] = t.numel() * t.element_size()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*args, **kwargs)
+    except RuntimeError as e:
+        return None, f"saved-for-backward not measurable here ({str(e).splitlines()[0][:120]})"
+    return sum(seen.values()), SAVED_KIND
+
+
+# ------------------------------------------------------------------------------ comparisons
+# A comparison is reported as a ratio only when it can be told apart from noise. The thresholds:
+NOISY_SPREAD = 0.25      # (p90 - p10) / median of one variant's repeats above this: too noisy
+NOISY_OTHER_CPU = 0.25   # other processes used more than this share of the machine's CPU time
+SUPERLINEAR = 1.05       # a scaling efficiency above this is a measurement problem, not a result
+
+
+@dataclass
+class Variant:
+    """One contender of a comparison: ``fn(*args)`` is one training step on ``batch_size`` images.
+
+    ``flops`` (per call) gives TFLOP/s and MFU; ``precision`` defaults to the trainer's when ``fn``
+    is a trainer method; ``cuda_graphs`` as in :func:`measure`.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple = ()
+    batch_size: int = 1
+    flops: int | None = None
+    precision: str | None = None
+    cuda_graphs: bool | None = None
+
+
+class CpuLoad:
+    """``with CpuLoad() as load:`` how busy the machine was with *other* work while the block ran.
+
+    ``other_share``: CPU time spent outside this process and its children (hypervisor steal
+    included), as a share of all cores' time over the block. ``load_1min``: the higher of the
+    1-minute load averages at the start and the end.
+    """
+
+    def __enter__(self) -> "CpuLoad":
+        import psutil
+
+        self._psutil = psutil
+        self._proc = psutil.Process()
+        self.cores = psutil.cpu_count() or 1
+        self._busy0, self._own0 = self._busy(), self._own()
+        self._t0 = time.perf_counter()
+        self.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        self.other_share, self.load_1min = 0.0, self.load_start
+        return self
+
+    def _busy(self) -> float:
+        t = self._psutil.cpu_times()
+        return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+    def _own(self) -> float:
+        t = self._proc.cpu_times()
+        own = t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+        for child in self._proc.children(recursive=True):  # live workers / ranks of this run
+            try:
+                ct = child.cpu_times()
+                own += ct.user + ct.system
+            except self._psutil.Error:
+                pass
+        return own
+
+    def __exit__(self, *exc: Any) -> None:
+        wall = max(time.perf_counter() - self._t0, 1e-9)
+        other = (self._busy() - self._busy0) - (self._own() - self._own0)
+        self.other_share = min(1.0, max(0.0, other / (wall * self.cores)))
+        end = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        self.load_1min = max(self.load_start, end)
+
+
+@dataclass
+class Noise:
+    """How noisy the conditions of one comparison were, and whether that spoils it."""
+
+    cores: int
+    load_1min: float
+    other_cpu_share: float
+    spreads: dict[str, float]  # per variant: (p90 - p10) / median of its repeats
+    threads: int = field(default_factory=torch.get_num_threads)
+
+    @property
+    def reasons(self) -> list[str]:
+        out = []
+        if self.load_1min > self.cores:
+            out.append(f"the load average was {self.load_1min:.1f} on {self.cores} cores")
+        if self.other_cpu_share > NOISY_OTHER_CPU:
+            out.append(f"other processes used {self.other_cpu_share:.0%} of the CPU while it ran")
+        wide = {k: v for k, v in self.spreads.items() if v > NOISY_SPREAD}
+        if wide:
+            out.append("repeats of one configuration spread by more than "
+                       f"{NOISY_SPREAD:.0%} of their median (" + ", ".join(f"{k}: {v:.0%}" for k, v in wide.items()) + ")")
+        return out
+
+    @property
+    def noisy(self) -> bool:
+        return bool(self.reasons)
+
+    def warning(self) -> str:
+        """'' on a quiet run; else one sentence saying why no ratio is reported."""
+        if not self.noisy:
+            return ""
+        return ("Too noisy to compare: " + "; ".join(self.reasons) + ". No speedup is stated from this run; "
+                "rerun on a quiet machine (close other programs) or with more rounds.")
+
+
+class Comparison:
+    """Variants measured side by side in interleaved rounds, with a verdict per pair.
+
+    ``speedup(a, b)`` is a number only when the run was quiet and the per-image p10-p90 ranges of
+    the two variants do not overlap; otherwise it is None and ``verdict(a, b)`` says why.
+    """
+
+    def __init__(self, measurements: list[Measurement], noise: Noise, baseline: int = 0, rounds: int = 0):
+        self.measurements, self.noise, self.rounds = measurements, noise, rounds
+        self.baseline = measurements[baseline]
+
+    def __getitem__(self, name: str) -> Measurement:
+        for m in self.measurements:
+            if m.name == name:
+                return m
+        raise KeyError(f"no variant named {name!r}; have {[m.name for m in self.measurements]}")
+
+    def _m(self, m: Measurement | str | None) -> Measurement:
+        return self.baseline if m is None else (self[m] if isinstance(m, str) else m)
+
+    @staticmethod
+    def per_image_range(m: Measurement) -> tuple[float, float]:
+        return m.p10_ms / m.batch_size, m.p90_ms / m.batch_size
+
+    def separated(self, a: Measurement | str, b: Measurement | str | None = None) -> bool:
+        """Whether the per-image p10-p90 ranges of ``a`` and ``b`` (default: the baseline) do not overlap."""
+        (a_lo, a_hi), (b_lo, b_hi) = self.per_image_range(self._m(a)), self.per_image_range(self._m(b))
+        return a_hi < b_lo or b_hi < a_lo
+
+    def speedup(self, a: Measurement | str, b: Measurement | str | None = None) -> float | None:
+        """Throughput of ``a`` over ``b`` (default: the baseline), or None when noise hides it."""
+        a, b = self._m(a), self._m(b)
+        if a is b:
+            return 1.0
+        if self.noise.noisy or not self.separated(a, b):
+            return None
+        return a.images_per_s / b.images_per_s
+
+    def verdict(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
+        a, b = self._m(a), self._m(b)
+        if a is b:
+            return "baseline"
+        if self.noise.noisy:
+            return "not compared: too noisy (see the warning)"
+        r = self.speedup(a, b)
+        if r is None:
+            return f"no measurable difference from {b.name} at this noise level (p10-p90 ranges overlap)"
+        return f"{r:.2f}x the throughput of {b.name}" + (" (faster)" if r > 1 else " (slower)")
+
+    def table(self) -> "pd.DataFrame":
+        """``summary_table`` with the spread of each variant and the verdict-aware speedup column."""
+        t = summary_table(self.measurements, baseline=self.measurements.index(self.baseline))
+        t["p10-p90 ms"] = [f"{m.p10_ms:.1f}-{m.p90_ms:.1f}" for m in self.measurements]
+        t["speedup"] = [("1.00x (baseline)" if m is self.baseline else
+                         (f"{r:.2f}x" if (r := self.speedup(m)) is not None else
+                          ("noisy" if self.noise.noisy else "no measurable difference")))
+                        for m in self.measurements]
+        return t
+
+    def report(self) -> str:
+        """Markdown: the noise warning (if any) and one verdict per variant against the baseline."""
+        lines = []
+        if self.noise.noisy:
+            lines.append(f"**Warning.** {self.noise.warning()}")
+        for m in self.measurements:
+            if m is not self.baseline:
+                lines.append(f"- **{m.name}**: {self.verdict(m)}.")
+        lines.append(f"\n<small>{self.rounds} interleaved rounds, {self.noise.threads} torch threads for every variant, "
+                     f"other processes' CPU use {self.noise.other_cpu_share:.0%}, load average {self.noise.load_1min:.1f} "
+                     f"on {self.noise.cores} cores.</small>")
+        return "\n".join(lines)
+
+    def _repr_markdown_(self) -> str:
+        return self.report()
+
+
+def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup: int = 2, baseline: int = 0,
+            device: torch.device | str | None = None, memory: bool = True, progress: bool = True) -> Comparison:
+    """Measure ``variants`` side by side: the protocol every comparison of the series uses.
+
+    1. Each variant's first call is timed apart (compilation, autotuning), then ``warmup - 1``
+       more untimed calls.
+    2. ``rounds`` interleaved rounds, ABC then CBA, each timing ``iters`` calls of every variant:
+       drift (thermals, another program starting) hits all variants alike. Every variant runs in
+       this one process, with the same torch thread count.
+    3. Each variant's spread (p10-p90) is kept; the machine's load and other processes' CPU use
+       are recorded while the rounds run. :class:`Comparison` states a ratio only when the run was
+       quiet and the two ranges separate.
+
+    Memory: on CUDA the peak allocated (reserved for CUDA-graph steps) over the variant's own
+    rounds; on CPU the bytes saved for backward (:func:`saved_tensor_bytes`).
+    """
+    from tqdm.auto import tqdm
+
+    if not variants:
+        raise ValueError("compare() needs at least one Variant")
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variant names must be unique, got {names}")
+    if rounds < 1 or iters < 1 or warmup < 1:
+        raise ValueError(f"need rounds, iters and warmup >= 1; got rounds={rounds}, iters={iters}, warmup={warmup}")
+    for v in variants:
+        if v.flops is not None and (v.precision or _precision_of(v.fn)) is None:
+            raise ValueError(f"variant {v.name!r} has flops but no precision: pass precision='fp32' | 'tf32' | 'bf16' | 'fp16'")
+    device = torch.device(device) if device is not None else _device_of(variants[0].args, {})
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    first: dict[str, float] = {}
+    graphs = {v.name: (v.cuda_graphs if v.cuda_graphs is not None else _uses_cuda_graphs(v.fn)) for v in variants}
+    bar = tqdm(total=len(variants) * (warmup + rounds), desc="compare", disable=not progress, leave=False)
+    for v in variants:
+        sync()
+        t0 = time.perf_counter()
+        v.fn(*v.args)
+        sync()
+        first[v.name] = 1e3 * (time.perf_counter() - t0)
+        for _ in range(warmup - 1):
+            v.fn(*v.args)
+        sync()
+        bar.update(warmup)
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    peak: dict[str, tuple[int, int, str]] = {}
+    with CpuLoad() as load:
+        for r in range(rounds):
+            for v in (variants if r % 2 == 0 else variants[::-1]):
+                if cuda:
+                    if graphs[v.name]:
+                        torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                    times[v.name] += _cuda_times(v.fn, v.args, {}, iters, device)
+                    got = cuda_peak_memory(device, graphs[v.name])
+                    if v.name not in peak or got[0] > peak[v.name][0]:
+                        peak[v.name] = got
+                else:
+                    for _ in range(iters):
+                        t0 = time.perf_counter()
+                        v.fn(*v.args)
+                        times[v.name].append(1e3 * (time.perf_counter() - t0))
+                bar.update(1)
+    bar.close()
+    measurements = []
+    for v in variants:
+        if cuda:
+            mem, reserved, kind = peak[v.name]
+        else:
+            (mem, kind), reserved = (saved_tensor_bytes(v.fn, *v.args) if memory else (None, "not measured")), None
+        measurements.append(_measurement(v.name, device, v.batch_size, first[v.name], times[v.name], mem, kind,
+                                         reserved, v.flops, v.precision or _precision_of(v.fn)))
+    spreads = {m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in measurements}
+    noise = Noise(cores=load.cores, load_1min=load.load_1min, other_cpu_share=load.other_share, spreads=spreads)
+    return Comparison(measurements, noise, baseline=baseline, rounds=rounds)
+
+
+def scaling_efficiency(single_images_per_s: float, images_per_s: float, world_size: int) -> tuple[float | None, str]:
+    """Weak-scaling efficiency, images/s with N processes / (N x one process), and a note.
+
+    Above ``SUPERLINEAR`` (1.05) the number is a measurement problem (the single-process run was
+    slowed by something the N-process run was not, or the processes did not share the work as
+    assumed), never a result: the value is None and the note says so.
+    """
+    eff = images_per_s / (world_size * single_images_per_s)
+    if world_size > 1 and eff > SUPERLINEAR:
+        return None, (f"measured {eff:.2f} > {SUPERLINEAR}: more than linear scaling is a measurement problem "
+                      "(noise, or unequal threads per process), not a result")
+    return eff, ""
 
 
 # ------------------------------------------------------------------------------ tables and limits

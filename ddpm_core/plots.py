@@ -377,8 +377,8 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
     ax2.set_xlim(0, max(mib.max(), 1) * 1.35)
     kind = rows["memory_kind"].iloc[0] if "memory_kind" in rows else ""
     ax2.set_xlabel(f"peak memory (MiB; {kind})" if kind else "peak memory (MiB)")
-    if "RSS" in kind:  # the CPU allocator keeps memory freed by earlier variants: growth is a lower bound
-        ax2.set_title("CPU: growth of the process's resident memory, a lower bound\n(memory freed by an earlier variant is reused)", fontsize=8)
+    if "saved for backward" in kind:
+        ax2.set_title("CPU: activations saved for the backward pass\n(the part of a step's memory that batch, precision and attention change)", fontsize=8)
     for a in (ax, ax2):
         a.invert_yaxis()
     return _suptitle(fig, title, label)
