@@ -583,6 +583,22 @@ class Comparison:
             return f"no measurable difference from {b.name} at this noise level (p10-p90 ranges overlap)"
         return f"{r:.2f}x the throughput of {b.name}" + (" (faster)" if r > 1 else " (slower)")
 
+    def best(self) -> tuple[Measurement, list[Measurement]]:
+        """The variant with the highest throughput, and the others it cannot be told apart from
+        (per-image p10-p90 ranges overlap; on a noisy run, all of them)."""
+        best = max(self.measurements, key=lambda m: m.images_per_s)
+        ties = [m for m in self.measurements if m is not best and (self.noise.noisy or not self.separated(m, best))]
+        return best, ties
+
+    def best_sentence(self) -> str:
+        best, ties = self.best()
+        if not ties:
+            return f"**{best.name}** is the fastest, and its range separates from every other variant's."
+        if self.noise.noisy:
+            return f"**{best.name}** had the highest median, but the run was too noisy to call a winner."
+        return (f"**{best.name}** had the highest median, but it cannot be told apart from "
+                + ", ".join(f"**{m.name}**" for m in ties) + " at this noise level.")
+
     def table(self) -> "pd.DataFrame":
         """``summary_table`` with the spread of each variant and the verdict-aware speedup column."""
         t = summary_table(self.measurements, baseline=self.measurements.index(self.baseline))
@@ -723,7 +739,8 @@ def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.Dat
             "speedup": f"{m.images_per_s / base.images_per_s:.2f}x",
             "peak memory (MiB)": None if m.peak_memory_bytes is None else round(m.peak_memory_bytes / 2**20),
             "TFLOP/s": None if m.tflops is None else round(m.tflops, 3),
-            "MFU": f"{100 * m.mfu:.1f}% of {m.peak}" if m.mfu is not None else (m.note or "n/a"),
+            "MFU": (f"{100 * m.mfu:.1f}% of {m.peak}" if m.mfu is not None else
+                    "n/a on CPU" if m.device.startswith("cpu") else (m.note or "n/a")),
             "MFU vs bf16 peak": None if m.mfu_bf16 is None else f"{100 * m.mfu_bf16:.1f}%",
             "device": m.device_name,
         })

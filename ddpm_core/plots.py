@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import matplotlib.pyplot as plt
 import torch
@@ -73,6 +74,20 @@ def _resolve(label: str | None) -> str:
 def _suptitle(fig: "plt.Figure", title: str, label: str | None, fontsize: int = 10) -> "plt.Figure":
     fig.suptitle(f"{title}\n{_resolve(label)}", fontsize=fontsize)
     fig.tight_layout()
+    return fig
+
+
+def mark_noise(fig: "plt.Figure", noise: Any) -> "plt.Figure":
+    """Stamp a noisy measurement on its figure: a red line under the plot saying why no ratio
+    is reported (``noise`` is a ``bench.Noise``; a quiet run leaves the figure as it is)."""
+    import textwrap
+
+    if noise is None or not noise.noisy:
+        return fig
+    text = "\n".join(textwrap.wrap("NOISY MEASUREMENT. " + noise.warning(), 130))
+    fig.text(0.5, -0.01, text, ha="center", va="top", fontsize=8, color="#b00020")
+    fig.patch.set_edgecolor("#b00020")
+    fig.patch.set_linewidth(3)
     return fig
 
 

@@ -9,13 +9,16 @@ two runs never collide as "rank-less" traces.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
+import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 import torch
@@ -97,7 +100,7 @@ def capture(
         trace.setdefault("ddpm_core", {})["device"] = str(device)
         atomic_write_bytes(final, gzip.compress(json.dumps(trace).encode(), compresslevel=6))
 
-    with profile(
+    with native_stderr_filtered(), profile(
         activities=activities,
         schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
         on_trace_ready=on_ready,
@@ -111,6 +114,38 @@ def capture(
                 torch.cuda.synchronize(device)
             prof.step()
     return Capture(trace_path=final, trace_dir=out_dir, profiler=prof, device=device, steps=active)
+
+
+# Lines the profiler's C++ side (Kineto) writes straight to file descriptor 2 that carry no news:
+# start/stop markers, and, on a CUDA build of torch without a GPU, the failed GPU count. In
+# JupyterLab they land in a red stderr box that reads like an error.
+_HARMLESS_NATIVE = re.compile(r"USDT:.*profiler_(start|stop)|gpuGetDeviceCount failed with code 35|"
+                              r"cudaGetDeviceCount.*(35|no CUDA-capable device)")
+
+
+@contextlib.contextmanager
+def native_stderr_filtered() -> Iterator[None]:
+    """Hold back what C++ code writes to file descriptor 2 while the block runs, then pass on every
+    line except the profiler's harmless ones (``_HARMLESS_NATIVE``). Python-level ``sys.stderr``
+    (tqdm, warnings) is untouched. Where fd 2 cannot be redirected, the block runs as it is."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines() if ln and not _HARMLESS_NATIVE.search(ln)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+                sys.stderr.flush()
 
 
 _OP_COLUMNS = {

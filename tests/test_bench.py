@@ -295,3 +295,14 @@ def test_saved_for_backward_grows_with_the_batch_and_shrinks_with_fused_attentio
     assert kind == bench.SAVED_KIND
     assert m4 == pytest.approx(2 * m2, rel=0.05)
     assert s4 < m4  # math attention saves the T x T score matrix; the fused kernel does not
+
+
+def test_cpu_bf16_support_is_detected_and_explained(monkeypatch):
+    from ddpm_core import env
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    has, why = env.cpu_bf16()
+    assert not has and "_slow_conv2d_forward" in why and "no bf16 instructions" in why
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert env.cpu_bf16()[0]

@@ -1,3 +1,4 @@
+import os
 import gzip
 import json
 import shutil
@@ -200,3 +201,26 @@ def test_temporal_chart_legend_does_not_cover_the_axis_label(gpu_trace_dir):
     legend = ax.get_legend().get_window_extent(renderer)
     assert not legend.overlaps(ax.xaxis.label.get_window_extent(renderer))
     assert not legend.overlaps(ax.get_window_extent(renderer))
+
+
+def test_the_profilers_native_noise_is_held_back_and_real_errors_pass(capfd):
+    from ddpm_core import profiling
+
+    with profiling.native_stderr_filtered():
+        os.write(2, b"USDT:2026-11-22 14:15:22 1:1 SyncActivityProfilerHandler.cpp:39] profiler_start\n")
+        os.write(2, b"ERROR:2026-11-22 14:15:22 1:1 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n")
+        os.write(2, b"something real went wrong\n")
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "gpuGetDeviceCount" not in err
+    assert "something real went wrong" in err
+
+
+def test_capture_prints_nothing_to_stderr_on_cpu(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import torch; from ddpm_core import profiling; "
+            f"profiling.capture(lambda: torch.randn(32, 32) @ torch.randn(32, 32), out_dir={str(tmp_path)!r}, device='cpu')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "USDT" not in r.stderr and "gpuGetDeviceCount" not in r.stderr, r.stderr
