@@ -20,11 +20,23 @@ def test_the_series_is_complete_and_in_order():
 def test_the_readme_table_lists_every_notebook_and_figure():
     from ddpm_core.paths import REPO_ROOT
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    for nb in NOTEBOOKS:
-        assert f"(notebooks/{nb.name})" in readme, nb.name
+    readme = (REPO_ROOT / "README.md").read_text().splitlines()
+    # One Markdown table: a header, its |---| rule, and one row per notebook with no blank line
+    # between them (on GitHub a blank line ends the table and the rest renders as paragraphs).
+    start = next(i for i, line in enumerate(readme) if line.startswith("| notebook |"))
+    assert readme[start + 1].startswith("|---"), "the header must be followed by its |---| rule"
+    table = []
+    for line in readme[start + 2:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    assert len(table) == len(NOTEBOOKS), f"the notebook table ends after {len(table)} rows: a blank or non-table line inside it?"
+    columns = readme[start].count("|")
+    for nb, row in zip(NOTEBOOKS, table):
+        assert f"(notebooks/{nb.name})" in row, (nb.name, row[:80])
+        assert row.count("|") - row.count("\\|") == columns, f"{nb.name}: row has a different number of cells than the header"
         for fig in series.declared_figures(nb):
-            assert fig in readme, fig
+            assert fig in row, fig
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
