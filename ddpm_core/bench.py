@@ -742,8 +742,11 @@ def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.Dat
             "MFU": (f"{100 * m.mfu:.1f}% of {m.peak}" if m.mfu is not None else
                     "n/a on CPU" if m.device.startswith("cpu") else (m.note or "n/a")),
             "MFU vs bf16 peak": None if m.mfu_bf16 is None else f"{100 * m.mfu_bf16:.1f}%",
+            "memory measured": m.memory_kind,
             "device": m.device_name,
         })
+        if m.reserved_bytes is not None:  # CUDA: what the caching allocator held, beside the live-tensor peak
+            rows[-1]["reserved (MiB)"] = round(m.reserved_bytes / 2**20)
     return pd.DataFrame(rows)
 
 

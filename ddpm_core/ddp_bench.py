@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                       "images_per_s": args.batch_size * t.world_size / (median / 1e3),
                       "backend": dist.get_backend() if t.world_size > 1 else "none",
                       "device_name": device_name(t.device), "torch_version": torch.__version__,
-                      "model": args.model, "precision": args.precision}
+                      "model": args.model, "precision": args.precision, "times_ms": times,
+                      "threads_per_process": torch.get_num_threads()}
             atomic_write_text(args.out, json.dumps(result, indent=1))
             print(f"world {t.world_size}: {median:.1f} ms/step, {result['images_per_s']:.1f} img/s", flush=True)
     finally:

@@ -237,8 +237,12 @@ def scaling_efficiency(df, *, label: str | None = None, x: str = "world_size", y
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(df[x], df[x] * base, ls="--", color="C7", label="ideal (linear)")
     ax.plot(df[x], df[y], marker="o", color="C0", label="measured")
-    for n, v in zip(df[x], df[y]):
-        ax.annotate(f"{100 * v / (n * base):.0f}%", (n, v), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
+    # Efficiency labels: from the "efficiency" column when there is one (None there means the
+    # comparison flagged the number as noise or a measurement problem: it is not drawn as a result).
+    effs = df["efficiency"] if "efficiency" in df else (df[y] / (df[x] * base))
+    for n, v, e in zip(df[x], df[y], effs):
+        text = "n/a" if e is None or e != e else f"{100 * e:.0f}%"
+        ax.annotate(text, (n, v), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
     ax.set_xticks(df[x].tolist())
     ax.set_xlabel("processes (GPUs, or CPU workers)")
     ax.set_ylabel("images / s")
@@ -400,9 +404,11 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
 
 
 def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "images_per_s",
-              title: str = "Cumulative speedup, stage by stage") -> "plt.Figure":
+              title: str = "Cumulative speedup, stage by stage",
+              separated: list[bool] | None = None) -> "plt.Figure":
     """Each stage as a floating bar from the previous cumulative speedup to its own, labeled with
-    its own factor; all ratios are over the first stage of the same run."""
+    its own factor; all ratios are over the first stage of the same run. ``separated[i]`` False
+    marks stage i's factor "within noise" (its range overlaps the previous stage's)."""
     set_style()
     stages = stages.reset_index(drop=True)
     cum = stages[y] / stages[y].iloc[0]
@@ -411,7 +417,8 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
     for i, (name, c, p) in enumerate(zip(stages[x], cum, prev)):
         color = "C7" if i == 0 else ("C2" if c >= p else "C3")
         ax.barh(i, c - p, left=p, color=color)
-        step = "" if i == 0 else f" ({c / p:.2f}x)"
+        within = separated is not None and i > 0 and not separated[i]
+        step = "" if i == 0 else f" ({c / p:.2f}x{', within noise' if within else ''})"
         ax.text(max(c, p), i, f"  {c:.2f}x{step}", va="center", fontsize=8)
     ax.set_yticks(range(len(stages)), stages[x])
     ax.invert_yaxis()

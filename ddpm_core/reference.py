@@ -78,6 +78,19 @@ def reference_runs(root: Path | None = None) -> list[Path]:
     return sorted(p for p in root.iterdir() if (p / "meta.json").is_file())
 
 
+def notebook_seconds(folder: Path, notebook: str) -> float | None:
+    """How long ``notebook`` ran in the reference run in ``folder`` (from parts.json), or None."""
+    path = Path(folder) / "parts.json"
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    for part in status.values():
+        if isinstance(part, dict) and notebook in part.get("notebooks", {}):
+            return float(part["notebooks"][notebook])
+    return None
+
+
 def meta(folder: Path) -> dict:
     """A reference folder's meta.json (device_name, torch_version, ...)."""
     return json.loads((Path(folder) / "meta.json").read_text())
@@ -166,7 +179,9 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
             f"### On {m.get('device_name', folder.name)} (reference run, not this machine)\n\n"
             f"Everything above this heading was measured on this machine. Everything below comes from the "
             f"reference run{mode}: {ref_label}, git commit `{str(m.get('git_commit', '?'))[:10]}`, "
-            f"committed in `data/reference/{folder.name}/`."))
+            f"committed in `data/reference/{folder.name}/`."
+            + (f" This notebook ran for **{secs / 60:.1f} min** there{mode or ' in full mode'}."
+               if (secs := notebook_seconds(folder, notebook)) is not None else "")))
         rows = results(folder, notebook)
         if len(rows):
             display(_result_table(rows))

@@ -306,3 +306,13 @@ def test_cpu_bf16_support_is_detected_and_explained(monkeypatch):
     assert not has and "_slow_conv2d_forward" in why and "no bf16 instructions" in why
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert env.cpu_bf16()[0]
+
+
+def test_summary_table_names_what_memory_it_shows_and_adds_reserved_on_cuda():
+    cpu = _fake("cpu step", 100)
+    t = bench.summary_table([cpu])
+    assert "reserved (MiB)" not in t.columns and t["memory measured"].iloc[0] == "n/a"
+    gpu = bench._measurement("gpu step", torch.device("cpu"), 8, 1.0, [1.0, 1.0], 3 * 2**30, "peak allocated (CUDA)",
+                             5 * 2**30, None, "bf16")
+    t = bench.summary_table([gpu])
+    assert t["reserved (MiB)"].iloc[0] == 5 * 1024 and t["peak memory (MiB)"].iloc[0] == 3 * 1024

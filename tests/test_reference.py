@@ -127,6 +127,7 @@ def test_with_a_smoke_reference_every_notebook_shows_the_reference_block(smoke_r
     for nb, cell in zip(NOTEBOOKS, book.cells):
         text = json.dumps(cell.outputs)
         assert "(reference run, not this machine)" in text, nb.name
+        assert "This notebook ran for" in text, nb.name  # its run time there, from parts.json
         assert "Traceback" not in text and "Error" not in text.replace("stderr", ""), nb.name
     assert (tmp_path / "figures" / "02_reference_02_baseline_temporal.png").exists()
 
