@@ -216,6 +216,7 @@ class Measurement:
     reserved_bytes: int | None = None  # CUDA: peak memory reserved by the caching allocator
     note: str = ""
     times_ms: list[float] = field(default_factory=list, repr=False)
+    noise: Any = field(default=None, repr=False)  # a Noise, where the measurement recorded one
 
     @property
     def peak_memory_gib(self) -> float | None:
@@ -225,6 +226,7 @@ class Measurement:
         """A flat dict for tables and the results CSV (without the per-iteration times)."""
         d = asdict(self)
         d.pop("times_ms")
+        d.pop("noise", None)
         d["peak_memory_gib"] = self.peak_memory_gib
         return d
 
@@ -346,22 +348,30 @@ def measure(
     sync()
 
     times: list[float] = []
+    with CpuLoad() as load:
+        if cuda:
+            if cuda_graphs:
+                # Give back cached blocks nobody uses (earlier stages' leftovers) so that "reserved"
+                # counts what this step holds: the graph pools stay, they are in use.
+                torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            times = _cuda_times(fn, args, kwargs, iters, device)
+        else:
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn(*args, **kwargs)
+                times.append(1e3 * (time.perf_counter() - t0))
     if cuda:
-        if cuda_graphs:
-            # Give back cached blocks nobody uses (earlier stages' leftovers) so that "reserved"
-            # counts what this step holds: the graph pools stay, they are in use.
-            torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        times = _cuda_times(fn, args, kwargs, iters, device)
         peak_mem, reserved, mem_kind = cuda_peak_memory(device, cuda_graphs)
     else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn(*args, **kwargs)
-            times.append(1e3 * (time.perf_counter() - t0))
-        peak_mem, mem_kind = saved_tensor_bytes(fn, *args, **kwargs)
-        reserved = None
-    return _measurement(name, device, batch_size, first_ms, times, peak_mem, mem_kind, reserved, flops, precision)
+        (peak_mem, mem_kind), reserved = saved_tensor_bytes(fn, *args, **kwargs), None
+    m = _measurement(name, device, batch_size, first_ms, times, peak_mem, mem_kind, reserved, flops, precision)
+    # A single measurement has no ratio to withhold, but it can still say it was taken on a busy machine.
+    m.noise = Noise(cores=load.cores, load_1min=load.load_1min, other_cpu_share=load.other_share,
+                    spreads={name or "step": (m.p90_ms - m.p10_ms) / m.median_ms} if iters >= 3 else {})
+    if m.noise.noisy:
+        m.note = (m.note + " | " if m.note else "") + "NOISY: " + "; ".join(m.noise.reasons)
+    return m
 
 
 def _cuda_times(fn: Callable[..., Any], args: tuple, kwargs: dict, iters: int, device: torch.device) -> list[float]:
@@ -512,8 +522,11 @@ class Noise:
     @property
     def reasons(self) -> list[str]:
         out = []
-        if self.load_1min > self.cores:
-            out.append(f"the load average was {self.load_1min:.1f} on {self.cores} cores")
+        # The load average counts this run's own threads too (a quiet run with T threads reads about
+        # T): what is left above them is other work, and more of it than cores is a busy machine.
+        if self.load_1min - self.threads > self.cores:
+            out.append(f"the load average was {self.load_1min:.1f} on {self.cores} cores, "
+                       f"{self.load_1min - self.threads:.1f} above this run's own {self.threads} threads")
         if self.other_cpu_share > NOISY_OTHER_CPU:
             out.append(f"other processes used {self.other_cpu_share:.0%} of the CPU while it ran")
         wide = {k: v for k, v in self.spreads.items() if v > NOISY_SPREAD}

@@ -239,9 +239,10 @@ def test_a_ratio_is_stated_only_when_the_ranges_separate():
 
 def test_a_noisy_run_states_no_ratio_at_all():
     base, fast = _fake("base", 100), _fake("fast", 50)
-    noise = bench.Noise(cores=2, load_1min=3.5, other_cpu_share=0.0, spreads={"base": 0.04, "fast": 0.04})
+    assert not bench.Noise(cores=2, load_1min=2.5, other_cpu_share=0.0, spreads={}, threads=2).noisy  # its own threads
+    noise = bench.Noise(cores=2, load_1min=4.5, other_cpu_share=0.0, spreads={"base": 0.04, "fast": 0.04}, threads=2)
     c = bench.Comparison([base, fast], noise)
-    assert c.noise.noisy and "load average was 3.5 on 2 cores" in c.noise.warning()
+    assert c.noise.noisy and "load average was 4.5 on 2 cores" in c.noise.warning()
     assert c.speedup("fast") is None and "x the throughput" not in c.report() and "Too noisy" in c.report()
     wide = bench.Noise(cores=2, load_1min=0.1, other_cpu_share=0.0, spreads={"base": 0.4, "fast": 0.04})
     assert wide.noisy and "base: 40%" in wide.warning()

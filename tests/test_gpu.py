@@ -283,3 +283,18 @@ def test_one_process_nccl_ddp_step_matches_the_plain_step(tmp_path):
         assert ones.tolist() == [1.0] * 4
     finally:
         dist.destroy_process_group()
+
+
+def test_compare_on_cuda_interleaves_an_eager_and_a_cuda_graph_step_and_reports_their_memory(tmp_path):
+    """bench.compare with a reduce-overhead trainer beside an eager one: interleaving two CUDA-graph
+    trees' worth of calls must not re-record or crash, and each variant reports its own memory."""
+    x = _batch(8)
+    eager = build(tiny_config(tmp_path, device="cuda", batch_size=8))
+    graphs = build(tiny_config(tmp_path, device="cuda", batch_size=8, compile="reduce-overhead"))
+    c = bench.compare([bench.Variant("eager", eager.train_step, (x,), 8),
+                       bench.Variant("graphs", graphs.train_step, (x,), 8)], rounds=3, iters=2, warmup=3, progress=False)
+    e, g = c.measurements
+    assert e.memory_kind == "peak allocated (CUDA)" and e.peak_memory_bytes > 0 and e.reserved_bytes >= e.peak_memory_bytes
+    assert "CUDA-graph" in g.memory_kind and g.peak_memory_bytes > 0
+    assert all(len(m.times_ms) == 6 and m.median_ms > 0 for m in c.measurements)
+    assert "reserved (MiB)" in c.table().columns
