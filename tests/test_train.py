@@ -336,3 +336,37 @@ def test_more_processes_than_gpus_get_a_clear_error_before_any_work(monkeypatch)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) before the check"))
     with pytest.raises(ValueError, match=r"LOCAL_RANK 1 but only 1 GPU"):
         train_mod._init_distributed(TrainConfig(model="tiny", device="auto"))
+
+
+# ------------------------------------------------------------------------------ the fast configuration
+PAPER_SEMANTICS = ("model", "norm", "dropout", "optimizer", "lr", "warmup_steps", "grad_clip", "ema_decay", "timesteps")
+
+
+def test_the_fast_configuration_changes_how_the_step_runs_not_what_it_trains():
+    base, fast = TrainConfig(), TrainConfig.fast()
+    for name in PAPER_SEMANTICS:
+        assert getattr(fast, name) == getattr(base, name), name
+    assert fast.attention == "sdpa" and fast.channels_last and fast.fused_optimizer and fast.loader == "device"
+    assert fast.cudnn_benchmark
+    assert TrainConfig.fast(batch_size=8, compile=None).batch_size == 8  # overrides win
+
+
+def test_the_fast_step_trains_the_same_function_as_the_baseline(tmp_path):
+    """Same weights, batch, t and noise: the fast configuration (in fp32 here, so that the numbers can
+    be compared) gives the baseline's loss, and after one step with clipping and EMA, its weights."""
+    import dataclasses
+
+    kw = {k: v for k, v in dataclasses.asdict(tiny_config(tmp_path, dropout=0.0, grad_clip=0.5)).items()
+          if k not in ("attention", "channels_last", "fused_optimizer", "cudnn_benchmark", "loader", "precision", "compile")}
+    base = build(TrainConfig(**kw))
+    fast = build(TrainConfig.fast(**kw, precision="fp32", compile=None))
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(8, 3, 32, 32, generator=g) * 2 - 1
+    t = torch.randint(0, 1000, (8,), generator=g)
+    noise = torch.randn(8, 3, 32, 32, generator=g)
+    lb, lf = float(base.train_step(x, t, noise)), float(fast.train_step(x, t, noise))
+    assert lf == pytest.approx(lb, rel=1e-4)
+    for (name, pb), pf in zip(base.model.named_parameters(), fast.model.parameters()):
+        torch.testing.assert_close(pf, pb, atol=1e-5, rtol=1e-4, msg=name)
+    for pb, pf in zip(base.ema.model.parameters(), fast.ema.model.parameters()):
+        torch.testing.assert_close(pf, pb, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,186 @@
+"""Our training step side by side with what a reader would otherwise use: the diffusers and the
+lucidrains implementations of the same DDPM training, measured in one process, in interleaved rounds.
+
+    python -m ddpm_core.bench_peers                 # on the GPU at hand: the paper's model, batch sized to it
+    python -m ddpm_core.bench_peers --smoke         # a CPU check of the whole path with small models
+
+Contenders (each a full training step: noise, forward, loss, backward, clipping, optimizer, EMA):
+
+- ``ours: baseline``: ``TrainConfig()`` (fp32, eager, math attention), the series' starting point;
+- ``ours: fast``: ``TrainConfig.fast()``, where the series ends;
+- ``diffusers``: ``UNet2DModel`` with the configuration of ``google/ddpm-cifar10-32`` (the paper's model
+  as diffusers publishes it: same channels, attention at 16x16, so the same FLOPs), trained the way
+  diffusers' ``examples/unconditional_image_generation/train_unconditional.py`` does: ``DDPMScheduler``
+  (linear betas) ``add_noise``, MSE on the noise, AdamW (lr 1e-4, betas 0.95/0.999, weight decay 1e-6),
+  clipping at 1, ``EMAModel`` (0.9999), under bf16 autocast (its ``--mixed_precision bf16``);
+- ``lucidrains``: ``denoising-diffusion-pytorch``'s ``Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=True)``
+  and ``GaussianDiffusion(timesteps=1000)`` as its README configures them, at 32x32, trained the way its
+  ``Trainer`` does: Adam (lr 8e-5, betas 0.9/0.99), clipping at 1, ``ema_pytorch.EMA`` (0.995, every 10
+  steps), under bf16 autocast (its ``mixed_precision_type="bf16"``). A different network: its FLOPs
+  are counted on its own step, so TFLOP/s and MFU compare, images/s only roughly.
+
+TFLOP/s come from each step's own FLOP count (``torch.utils.flop_counter``), MFU against the dense bf16
+peak of the GPU named in ``bench.PEAK_TFLOPS``. diffusers and denoising-diffusion-pytorch are
+benchmark-only extras (``pip install -e ".[peers]"``), not dependencies of the notebooks; a missing
+one is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import bench
+from .env import label
+
+SMOKE_DIFFUSERS = {"block_out_channels": [32, 64, 64, 64], "norm_num_groups": 8}  # a small UNet2DModel for CPU checks
+SMOKE_LUCIDRAINS = {"dim": 16}
+
+
+def _batch(batch_size: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(batch_size, 3, 32, 32, generator=g) * 2 - 1).to(device)
+
+
+def _autocast(device: torch.device, precision: str):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def ours(fast: bool, batch_size: int, device: torch.device, smoke: bool) -> tuple[Callable[[], Any], str, int]:
+    from .train import TrainConfig, build
+
+    common = dict(batch_size=batch_size, device=str(device), dataset="synthetic", progress=False)
+    if smoke:
+        common["model"] = "tiny"
+    cfg = TrainConfig.fast(**common) if fast else TrainConfig(**common)
+    t = build(cfg)
+    x = _batch(batch_size, t.device)
+    # Counted on the trainer's method, so that a compiled step is counted eagerly (bench.count_flops).
+    return (lambda: t.train_step(x)), cfg.precision, bench.count_flops(t.train_step, x)
+
+
+def diffusers_step(batch_size: int, device: torch.device, smoke: bool, precision: str) -> Callable[[], Any]:
+    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers.training_utils import EMAModel
+
+    from .pretrained import CONFIG
+
+    config = {**CONFIG, **(SMOKE_DIFFUSERS if smoke else {})}
+    model = UNet2DModel(**config).to(device)
+    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
+    ema = EMAModel(model.parameters(), decay=0.9999, use_ema_warmup=True, inv_gamma=1.0, power=3 / 4)
+    ema.to(device)
+    clean = _batch(batch_size, device)
+
+    def step() -> torch.Tensor:
+        model.train()
+        noise = torch.randn(clean.shape, device=device)
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (clean.shape[0],), device=device)
+        noisy = scheduler.add_noise(clean, noise, timesteps)
+        with _autocast(device, precision):
+            pred = model(noisy, timesteps).sample
+        loss = F.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema.step(model.parameters())
+        return loss.detach()
+
+    return step
+
+
+def lucidrains_step(batch_size: int, device: torch.device, smoke: bool, precision: str) -> Callable[[], Any]:
+    from denoising_diffusion_pytorch import GaussianDiffusion, Unet
+    from ema_pytorch import EMA
+
+    unet = Unet(dim=SMOKE_LUCIDRAINS["dim"] if smoke else 64, dim_mults=(1, 2, 4, 8), flash_attn=True)
+    diffusion = GaussianDiffusion(unet, image_size=32, timesteps=1000).to(device)
+    opt = torch.optim.Adam(diffusion.parameters(), lr=8e-5, betas=(0.9, 0.99))
+    ema = EMA(diffusion, beta=0.995, update_every=10).to(device)
+    images = (_batch(batch_size, device) + 1) / 2  # its GaussianDiffusion takes images in [0, 1]
+
+    def step() -> torch.Tensor:
+        with _autocast(device, precision):
+            loss = diffusion(images)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(diffusion.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ema.update()
+        return loss.detach()
+
+    return step
+
+
+def contenders(batch_size: int, device: torch.device, smoke: bool) -> tuple[list[bench.Variant], list[str]]:
+    """The steps to compare, each with its own FLOP count; and a line per contender left out, with why."""
+    from .env import cpu_bf16
+
+    peers_precision = "bf16" if device.type == "cuda" or cpu_bf16()[0] else "fp32"
+    variants, skipped = [], []
+    def peer(make: Callable[..., Callable[[], Any]]) -> tuple[Callable[[], Any], str, int]:
+        fn = make(batch_size, device, smoke, peers_precision)
+        return fn, peers_precision, bench.count_flops(fn)  # its own step, as FlopCounterMode sees it
+
+    makers: list[tuple[str, Callable[[], tuple[Callable[[], Any], str, int]]]] = [
+        ("ours: baseline", lambda: ours(False, batch_size, device, smoke)),
+        ("ours: fast", lambda: ours(True, batch_size, device, smoke)),
+        ("diffusers", lambda: peer(diffusers_step)),
+        ("lucidrains", lambda: peer(lucidrains_step)),
+    ]
+    for name, make in makers:
+        try:
+            fn, precision, flops = make()
+        except ImportError as e:
+            skipped.append(f"{name}: not installed ({e.name or e}); pip install -e '.[peers]'")
+            continue
+        variants.append(bench.Variant(name, fn, (), batch_size, flops=flops, precision=precision))
+    return variants, skipped
+
+
+def run(batch_size: int | None = None, smoke: bool = False, rounds: int = 5, iters: int = 4, warmup: int = 5,
+        device: str = "auto") -> tuple[bench.Comparison, list[str]]:
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    if batch_size is None:
+        batch_size = 4 if smoke else (256 if dev.type == "cuda" else 16)
+    variants, skipped = contenders(batch_size, dev, smoke)
+    if not variants:
+        raise RuntimeError("no contender could be built: " + "; ".join(skipped))
+    return bench.compare(variants, rounds=rounds, iters=iters, warmup=warmup, device=dev), skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddpm_core.bench_peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="small models, few steps: a CPU check of the whole path")
+    p.add_argument("--batch-size", type=int, default=None, help="per step (default: 256 on a GPU, 16 on a CPU, 4 in smoke)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None, help="append the rows to this results CSV (default: data/results/bench_peers.csv)")
+    args = p.parse_args(argv)
+    if args.batch_size is not None and args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    rounds = args.rounds or (2 if args.smoke else 5)
+    comparison, skipped = run(args.batch_size, args.smoke, rounds=rounds, iters=1 if args.smoke else 4,
+                              warmup=1 if args.smoke else 5, device=args.device)
+    from . import results
+
+    table = comparison.table()
+    print(f"{label(comparison.measurements[0].device)}{' (smoke)' if args.smoke else ''}")
+    print(table[["variant", "batch", "ms/step", "img/s", "TFLOP/s", "speedup", "MFU", "p10-p90 ms"]].to_string(index=False))
+    print(comparison.report().replace("**", ""))
+    for line in skipped:
+        print("skipped:", line)
+    results.append("bench_peers", [{**m.row(), "variant": m.name, "smoke": args.smoke} for m in comparison.measurements],
+                   path=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
