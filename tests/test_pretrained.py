@@ -169,7 +169,8 @@ def test_notebook_01_samples_the_paper_model_when_its_weights_are_present(diffus
     monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path / "no-reference"))
     nb = next(p for p in series.list_notebooks() if p.name.startswith("01_"))
     run = series.run_notebook(nb, tmp_path / "out", smoke=True, figures=tmp_path / "figures",
-                              parameters={"STEPS": 2, "PRETRAINED_SAMPLES": 2, "PRETRAINED_STEPS": 3})
+                              parameters={"STEPS": 2, "DATASET": "synthetic", "PRETRAINED_SAMPLES": 2,
+                                          "PRETRAINED_STEPS": 3})
     cells = json.loads(run.executed.read_text())["cells"]
     samples = next(c for c in cells if "samples" in c["metadata"].get("tags", []))
     text = json.dumps(samples["outputs"])
