@@ -108,9 +108,11 @@ def download(path: str | os.PathLike | None = None) -> Path:
         if not available(path):
             snapshot_download(REPO_ID, local_dir=str(path), allow_patterns=["*.json", "*.bin"])
     except Exception as e:  # noqa: BLE001 - connection, DNS, proxy, offline mode, HTTP: all mean the same here
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") else ""
         raise PretrainedUnavailable(
-            f"could not download {REPO_ID} from the Hugging Face Hub into {path}: {type(e).__name__}: {e}. "
-            f"This machine seems to have no network access to huggingface.co. Fix: run `make weights` on a "
+            f"could not download {REPO_ID} from the Hugging Face Hub into {path}: {type(e).__name__}: "
+            f"{str(e).rstrip('. ')}. This machine seems to have no network access to huggingface.co{offline}. "
+            f"Fix: run `make weights` on a "
             f"machine with internet access and copy its data/pretrained/ddpm-cifar10-32/ folder to {path} "
             f"(or point DDPM_PRETRAINED_DIR at it).") from e
     if not available(path):
