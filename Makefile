@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run notebook test lab cifar10 reference clean
+.PHONY: setup run notebook test lab cifar10 weights reference clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ lab: $(STAMP)            ## open the series in JupyterLab
 
 cifar10: $(STAMP)        ## download CIFAR-10 into data/ (needs internet)
 	$(PY) -c "from ddpm_core.data import CIFAR10Images; CIFAR10Images()"
+
+weights: $(STAMP)        ## download the paper's CIFAR-10 weights (google/ddpm-cifar10-32, 143 MB) into data/pretrained/ (needs internet)
+	$(PY) -m ddpm_core.pretrained download
 
 clean:                   ## remove run outputs and generated data (keeps downloads of CIFAR-10)
 	rm -rf runs data/synthetic .pytest_cache

@@ -358,6 +358,17 @@ def get_dataset(
     return FolderImages(folder)
 
 
+def describe_dataset(dataset: Dataset) -> str:
+    """What a dataset is, for figure titles: "CIFAR-10 (50,000 images)", "synthetic shapes (10,000 images)", ..."""
+    if isinstance(dataset, CIFAR10Images):
+        return f"CIFAR-10 ({len(dataset):,} images)"
+    if isinstance(dataset, FolderImages):
+        if (dataset.root / "MANIFEST.json").is_file() and dataset.root.parent.name == "synthetic":
+            return f"synthetic shapes ({len(dataset):,} generated images)"
+        return f"image folder {dataset.root.name}/ ({len(dataset):,} images)"
+    return f"{type(dataset).__name__} ({len(dataset):,} images)"
+
+
 def dataset_as_tensor(dataset: Dataset, progress: bool = True) -> torch.Tensor:
     """All images of ``dataset`` as one N x 3 x H x W uint8 tensor (decodes a folder once)."""
     if hasattr(dataset, "as_tensor"):

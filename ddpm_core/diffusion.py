@@ -3,6 +3,13 @@
 Notation (the paper's): beta_t is the noise schedule, alpha_t = 1 - beta_t and
 alpha_bar_t = prod_{s<=t} alpha_s. Timesteps are 0-indexed here: t = 0 .. T-1 stands for the
 paper's t = 1 .. T.
+
+What it matches: ``GaussianDiffusion2`` of the paper's official code
+(``diffusion_tf/diffusion_utils_2.py`` of github.com/hojonathanho/diffusion) with the CIFAR-10
+settings of ``scripts/run_cifar.py``: linear betas 1e-4 .. 0.02, T = 1000, eps prediction, MSE
+loss, and sampling with the "fixedlarge" variance (sigma_t^2 = beta_t) and x_0 clipped to [-1, 1].
+``tests/test_diffusion.py`` checks the schedule against the closed form and one reverse step
+against the posterior mean plus sigma_t z.
 """
 
 from __future__ import annotations
@@ -12,6 +19,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The reverse-process variance sigma_t^2 of p(x_{t-1} | x_t) (the official code's model_var_type):
+#   "fixedlarge": sigma_t^2 = beta_t (the official CIFAR-10 setting, and the published results);
+#   "fixedsmall": sigma_t^2 = beta_tilde_t, the variance of the posterior q(x_{t-1} | x_t, x_0).
+VARIANCE_CHOICES = ("fixedlarge", "fixedsmall")
 
 
 def _extract(buf: torch.Tensor, t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -23,11 +35,15 @@ class GaussianDiffusion(nn.Module):
     """The DDPM forward/reverse process with a linear beta schedule.
 
     All schedule tensors are computed in float64 and stored as float32 buffers, so they move
-    with ``.to(device)`` and are saved in ``state_dict``.
+    with ``.to(device)``. ``variance`` is the sampling variance (``VARIANCE_CHOICES``); its default,
+    "fixedlarge", is the official CIFAR-10 choice.
     """
 
-    def __init__(self, timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02):
+    def __init__(self, timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02,
+                 variance: str = "fixedlarge"):
         super().__init__()
+        _check_variance(variance)
+        self.variance = variance
         if timesteps < 1:
             raise ValueError(f"timesteps must be >= 1, got {timesteps}")
         if not 0.0 < beta_start <= beta_end < 1.0:
@@ -66,6 +82,10 @@ class GaussianDiffusion(nn.Module):
             "posterior_log_variance_clipped": torch.log(
                 torch.cat([posterior_variance[1:2], posterior_variance[1:]])
             ),
+            # "fixedlarge" sigma_t^2: beta_t, except beta_tilde at the paper's t = 1 (index 0), as in
+            # the official code: np.append(posterior_variance[1], betas[1:]). The sampler adds no
+            # noise at that last step, so the exception only matters for likelihoods.
+            "fixedlarge_variance": _fixedlarge(betas, posterior_variance),
             "posterior_mean_coef1": betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
             "posterior_mean_coef2": (1.0 - alphas_cumprod_prev) * alphas.sqrt() / (1.0 - alphas_cumprod),
         }
@@ -106,13 +126,18 @@ class GaussianDiffusion(nn.Module):
         return F.mse_loss(model(x_t, t).float(), noise.float())
 
     # ----------------------------------------------------------------------------- reverse process
-    def _strided_schedule(self, steps: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Timesteps and posterior coefficients for sampling with ``steps`` < T steps.
+    def _strided_schedule(self, steps: int, variance: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Timesteps, posterior coefficients and sampling variance for sampling with ``steps`` <= T steps.
 
         Keeps an evenly spaced subset tau of the T timesteps and re-derives the betas of that
         shorter chain from alpha_bar: beta'_i = 1 - alpha_bar_{tau_i} / alpha_bar_{tau_{i-1}}
         (the respacing of Nichol & Dhariwal 2021). With steps == T it is the original chain.
+        ``c["var"]`` is sigma_i^2 of that chain: beta'_i for "fixedlarge" (beta_tilde'_1 at i = 0,
+        as the official code does on the full chain), beta_tilde'_i for "fixedsmall". This is what
+        Nichol & Dhariwal's respaced sampler does, and equals the official values when steps == T.
         """
+        variance = variance or self.variance
+        _check_variance(variance)
         taus = torch.linspace(0, self.timesteps - 1, steps).round().long().unique()
         a_bar = torch.cumprod(1.0 - self._betas_f64, dim=0)[taus]
         a_bar_prev = torch.cat([torch.ones(1, dtype=torch.float64), a_bar[:-1]])
@@ -125,6 +150,7 @@ class GaussianDiffusion(nn.Module):
             "coef1": betas * a_bar_prev.sqrt() / (1.0 - a_bar),
             "coef2": (1.0 - a_bar_prev) * (1.0 - betas).sqrt() / (1.0 - a_bar),
             "post_var": post_var,
+            "var": _fixedlarge(betas, post_var) if variance == "fixedlarge" else post_var,
         }
         return taus, {k: v.float() for k, v in coefs.items()}
 
@@ -142,12 +168,15 @@ class GaussianDiffusion(nn.Module):
         progress: bool = True,
         return_trajectory: bool = False,
         trajectory_every: int | None = None,
+        variance: str | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
         """Algorithm 2 of Ho et al. 2020: ancestral sampling from x_T ~ N(0, I) down to x_0.
 
         Each step forms x_0 = (x_t - sqrt(1 - a_bar_t) eps_theta) / sqrt(a_bar_t), clips it to
-        [-1, 1] and samples x_{t-1} from the posterior q(x_{t-1} | x_t, x_0) with variance
-        sigma_t^2 = beta_tilde_t; without the clip this is exactly the update of Algorithm 2.
+        [-1, 1] and draws x_{t-1} = mu_tilde_t(x_t, x_0) + sigma_t z, the posterior mean plus
+        noise of variance sigma_t^2 = beta_t ("fixedlarge", the default and the official CIFAR-10
+        setting) or beta_tilde_t ("fixedsmall"); no noise at the last step. Without the clip this
+        is exactly the update of Algorithm 2; with it, it is the official code's ``p_sample``.
 
         Args:
             model: eps-prediction network (put it in eval mode; the EMA model samples best).
@@ -157,6 +186,7 @@ class GaussianDiffusion(nn.Module):
             progress: show a tqdm progress bar.
             return_trajectory: also return [(t, x_t), ...] snapshots of the reverse process.
             trajectory_every: snapshot spacing in steps (default: about 10 snapshots).
+            variance: "fixedlarge" or "fixedsmall" (default: this diffusion's ``variance``).
 
         Returns:
             Images in [-1, 1], shape (n, channels, image_size, image_size) [, trajectory].
@@ -168,7 +198,7 @@ class GaussianDiffusion(nn.Module):
         steps = self.timesteps if steps is None else int(steps)
         if not 1 <= steps <= self.timesteps:
             raise ValueError(f"steps must be in 1..{self.timesteps}, got {steps}")
-        taus, c = self._strided_schedule(steps)
+        taus, c = self._strided_schedule(steps, variance)
         c = {k: v.to(device) for k, v in c.items()}
         x = torch.randn(n, channels, image_size, image_size, device=device, generator=generator)
         every = trajectory_every or max(1, len(taus) // 10)
@@ -180,10 +210,24 @@ class GaussianDiffusion(nn.Module):
             mean = c["coef1"][i] * x0 + c["coef2"][i] * x
             if i > 0:
                 z = torch.randn(x.shape, device=device, generator=generator)
-                x = mean + c["post_var"][i].sqrt() * z
+                x = mean + c["var"][i].sqrt() * z
             else:
                 x = mean  # no noise at the last step
             if return_trajectory and (i % every == 0 or i == len(taus) - 1):
                 trajectory.append((int(taus[i]), x.detach().cpu()))
         x = x.clamp(-1.0, 1.0)
         return (x, trajectory) if return_trajectory else x
+
+
+def _check_variance(variance: str) -> None:
+    if variance not in VARIANCE_CHOICES:
+        raise ValueError(f"variance must be one of {VARIANCE_CHOICES} (sigma_t^2 = beta_t or beta_tilde_t), "
+                         f"got {variance!r}")
+
+
+def _fixedlarge(betas: torch.Tensor, posterior_variance: torch.Tensor) -> torch.Tensor:
+    """sigma_t^2 = beta_t, with beta_tilde at index 0 (the official ``np.append(posterior_variance[1], betas[1:])``)."""
+    var = betas.clone()
+    if len(var) > 1:
+        var[0] = posterior_variance[1]
+    return var

@@ -43,13 +43,20 @@ def image_grid_figure(images: torch.Tensor, title: str | None = None, nrow: int 
     images = images.detach().float().cpu().clamp(-1, 1)
     nrow = nrow or max(1, int(round(images.shape[0] ** 0.5)))
     grid = make_grid((images + 1) / 2, nrow=nrow, padding=1, pad_value=1.0)
-    side = max(3.0, 0.45 * nrow)
+    side = max(4.0, 0.55 * nrow)
     fig, ax = plt.subplots(figsize=(side, side * grid.shape[1] / grid.shape[2] + 0.4))
     ax.imshow(grid.permute(1, 2, 0).numpy(), interpolation="nearest")
     ax.set_axis_off()
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(_wrap(title, side), fontsize=9)
     return fig
+
+
+def _wrap(title: str, inches: float) -> str:
+    """Wrap each line of a title to the figure's width (about 14 characters per inch at font size 9)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width=max(20, int(14 * inches))) for line in title.split("\n"))
 
 
 def save_image_grid(images: torch.Tensor, name: str, title: str | None = None) -> Path:
@@ -265,7 +272,7 @@ def image_strip(columns: list[tuple[str, torch.Tensor]], *, title: str, label: s
             ax.set_yticks([])
             if i == 0:
                 ax.set_title(heading, fontsize=8)
-    return _suptitle(fig, title, label, fontsize=9)
+    return _suptitle(fig, _wrap(title, 1.2 * len(columns)), label, fontsize=9)
 
 
 def noise_schedule_figure(diffusion, *, label: str | None = None) -> "plt.Figure":

@@ -22,6 +22,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 import typing
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .atomic import atomic_open
-from .data import DATASET_CHOICES, LOADER_MODES, SYNTHETIC_SIZE, get_dataset, make_loader
+from .data import DATASET_CHOICES, LOADER_MODES, SYNTHETIC_SIZE, describe_dataset, get_dataset, make_loader
 from .diffusion import GaussianDiffusion
 from .model import ATTENTION_CHOICES, NORM_CHOICES, PRESETS, preset
 
@@ -85,6 +86,7 @@ class TrainConfig:
     timesteps: int = 1000
     seed: int = 0
     steps: int = 1000
+    max_seconds: float | None = None  # wall-clock budget of the loop: stop after the step that reaches it
     # run
     out_dir: str = "runs/default"
     checkpoint_every: int = 500
@@ -150,6 +152,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"max_seconds must be > 0 or None (no time limit), got {self.max_seconds}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) or None, got {self.ema_decay}")
         if self.grad_clip is not None and self.grad_clip <= 0:
@@ -510,6 +514,9 @@ class TrainResult:
     trainer: Trainer
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of this rank
     resumed_from: Path | None = None
+    dataset: str = ""  # what it trained on, for figure titles (data.describe_dataset)
+    seconds: float = 0.0  # wall time of the training loop (data loading and logging included)
+    stopped_by_time: bool = False  # max_seconds ended the run before cfg.steps
 
 
 def _init_distributed(cfg: TrainConfig) -> bool:
@@ -534,6 +541,16 @@ def _init_distributed(cfg: TrainConfig) -> bool:
     return True
 
 
+def _past_budget(start: float, seconds: float, world_size: int) -> bool:
+    """Whether the wall-clock budget is spent; under DDP rank 0 decides for all (they must stop together)."""
+    past = time.perf_counter() - start >= seconds
+    if world_size > 1:
+        flag = torch.tensor([float(past)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.broadcast(flag, src=0)
+        past = bool(flag.item())
+    return past
+
+
 def _fault_injection(rank: int) -> int | None:
     """The step at which this process kills itself, for fault-tolerance demos and tests.
 
@@ -553,6 +570,9 @@ def _fault_injection(rank: int) -> int | None:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Train for ``cfg.steps`` optimizer steps with a progress bar, EMA and periodic checkpoints.
+
+    With ``cfg.max_seconds`` the loop also stops (and checkpoints) after the first step that ends
+    past that wall-clock budget, counted from the first step; ``result.stopped_by_time`` says so.
 
     Resumes from the newest checkpoint in ``cfg.out_dir`` when ``cfg.resume`` is set, continuing
     with the same data order and random draws as an uninterrupted run.
@@ -579,18 +599,21 @@ def train(cfg: TrainConfig) -> TrainResult:
             pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
             prefetch_factor=cfg.prefetch_factor, seed=cfg.seed, rank=t.rank, world_size=t.world_size,
         )
-        result = TrainResult(trainer=t, resumed_from=resumed)
+        result = TrainResult(trainer=t, resumed_from=resumed, dataset=describe_dataset(dataset))
         pending: list[tuple[int, torch.Tensor]] = []
         bar = tqdm(total=cfg.steps, initial=min(t.step, cfg.steps), desc="training",
                    disable=not (cfg.progress and rank0), dynamic_ncols=True)
         kill_at = _fault_injection(t.rank)
-        while t.step < cfg.steps:
+        start = time.perf_counter()
+        while t.step < cfg.steps and not result.stopped_by_time:
             epoch, offset = divmod(t.step, len(loader))
             loader.set_epoch(epoch, offset)
             for x in loader:
                 pending.append((t.step + 1, t.train_step(x)))
                 bar.update(1)
                 done = t.step >= cfg.steps
+                if cfg.max_seconds is not None and not done and _past_budget(start, cfg.max_seconds, t.world_size):
+                    result.stopped_by_time = done = True
                 if t.step % cfg.log_every == 0 or done:  # one device sync per log interval
                     values = torch.stack([v for _, v in pending]).float().tolist()
                     result.losses += [(s, v) for (s, _), v in zip(pending, values)]
@@ -604,6 +627,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 if done:
                     break
         bar.close()
+        result.seconds = time.perf_counter() - start
         return result
     finally:
         if started_group:

@@ -65,6 +65,60 @@ def test_strided_schedule_with_all_steps_is_the_original_chain():
     assert torch.equal(taus, torch.arange(100))
     assert torch.allclose(c["betas"], d.betas, rtol=1e-5)
     assert torch.allclose(c["post_var"], d.posterior_variance, rtol=1e-4, atol=1e-10)
+    assert torch.allclose(c["var"], d.fixedlarge_variance, rtol=1e-4, atol=1e-10)
+    _, small = d._strided_schedule(100, "fixedsmall")
+    assert torch.equal(small["var"], small["post_var"])
+
+
+def test_the_default_sampling_variance_is_beta_t_as_in_the_official_cifar10_code(tmp_path):
+    """model_var_type='fixedlarge': log(append(posterior_variance[1], betas[1:]))."""
+    d = GaussianDiffusion()
+    assert d.variance == "fixedlarge"
+    assert torch.equal(d.fixedlarge_variance[1:], d.betas[1:])
+    assert d.fixedlarge_variance[0] == d.posterior_variance[1]
+    assert (d.fixedlarge_variance[1:] > d.posterior_variance[1:]).all()  # "large": beta_t > beta_tilde_t
+    # strided: beta'_i of the respaced chain, the same rule
+    taus, c = d._strided_schedule(50)
+    assert torch.allclose(c["var"][1:], c["betas"][1:]) and c["var"][0] == c["post_var"][1]
+    # where the trainer (and so every notebook) samples
+    from ddpm_core.train import TrainConfig, build
+
+    assert build(TrainConfig(model="tiny", device="cpu", out_dir=str(tmp_path))).diffusion.variance == "fixedlarge"
+
+
+@pytest.mark.parametrize("variance", ["fixedlarge", "fixedsmall"])
+def test_one_reverse_step_is_the_posterior_mean_plus_sigma_z(variance):
+    """x_{t-1} = mu_tilde(x_t, clip(x_0)) + sigma_t z, computed here in float64 from the betas alone."""
+    T, seed = 10, 3
+    d = GaussianDiffusion(timesteps=T, variance=variance)
+
+    def eps_model(x, t):  # a stand-in noise predictor that depends on x and t
+        return 0.3 * x + 0.01 * t.float()[:, None, None, None]
+
+    _, traj = d.sample(eps_model, 2, image_size=4, progress=False, return_trajectory=True, trajectory_every=1,
+                       generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)  # replay the sampler's draws: x_T, then one z per step
+    x_T = torch.randn(2, 3, 4, 4, generator=g).double()
+    z = torch.randn(2, 3, 4, 4, generator=g).double()
+
+    betas = torch.linspace(1e-4, 0.02, T, dtype=torch.float64)
+    a_bar = torch.cumprod(1 - betas, 0)
+    t = T - 1
+    eps = 0.3 * x_T + 0.01 * t
+    x0 = ((x_T - (1 - a_bar[t]).sqrt() * eps) / a_bar[t].sqrt()).clamp(-1, 1)
+    mean = (a_bar[t - 1].sqrt() * betas[t] / (1 - a_bar[t]) * x0
+            + (1 - betas[t]).sqrt() * (1 - a_bar[t - 1]) / (1 - a_bar[t]) * x_T)
+    sigma2 = betas[t] if variance == "fixedlarge" else betas[t] * (1 - a_bar[t - 1]) / (1 - a_bar[t])
+    assert traj[0][0] == t
+    assert (traj[0][1].double() - (mean + sigma2.sqrt() * z)).abs().max().item() < 1e-5
+    assert (traj[0][1].double() - mean).abs().max().item() > 0.05  # the noise term is really there
+
+
+def test_an_unknown_variance_is_rejected():
+    with pytest.raises(ValueError, match="variance must be one of"):
+        GaussianDiffusion(variance="learned")
+    with pytest.raises(ValueError, match="variance must be one of"):
+        GaussianDiffusion(timesteps=5).sample(lambda x, t: x, 1, steps=2, progress=False, variance="large")
 
 
 def test_bad_schedule_is_rejected():

@@ -1,7 +1,10 @@
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
-from ddpm_core.model import AttnBlock, UNet, count_parameters, preset
+from ddpm_core.model import AttnBlock, Downsample, ResBlock, UNet, count_parameters, preset
 
 
 def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
@@ -14,7 +17,7 @@ def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
 
 def test_paper_preset_has_35_7m_parameters_and_maps_images_to_images():
     model = preset("ddpm-cifar10")
-    assert abs(count_parameters(model) - 35.7e6) <= 0.2e6
+    assert count_parameters(model) == 35_746_307  # the official model's count, to the parameter
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         y = model(x, torch.tensor([0, 999]))
@@ -68,9 +71,65 @@ def test_attention_block_alone_agrees_and_set_attention_switches_in_place():
     assert all(m.attention == "sdpa" for m in model.modules() if isinstance(m, AttnBlock))
 
 
-def test_untrained_model_predicts_zero_noise():
+def test_untrained_model_predicts_near_zero_noise():
+    """The output conv starts at the official 1e-10 scale: eps_theta ~ 0, so the first loss is ~1."""
     model = preset("tiny")
-    assert model(torch.randn(2, 3, 32, 32), torch.tensor([1, 2])).abs().max() == 0
+    with torch.no_grad():
+        out = model(torch.randn(2, 3, 32, 32), torch.tensor([1, 2]))
+    assert 0 < out.abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_downsampling_is_an_asymmetric_pad_then_a_padding_free_conv(channels_last):
+    """TensorFlow's conv2d(stride=2, padding='SAME') on an even size: 0 pixels top/left, 1 bottom/right."""
+    torch.manual_seed(0)
+    down = Downsample(8)
+    x = torch.randn(2, 8, 16, 16)
+    if channels_last:
+        down, x = down.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    w, b = down.conv.weight.detach().clone(), down.conv.bias.detach().clone()
+    with torch.no_grad():
+        out = down(x)
+        reference = F.conv2d(F.pad(x, (0, 1, 0, 1)), w, b, stride=2)  # (left, right, top, bottom)
+        symmetric = F.conv2d(x, w, b, stride=2, padding=1)  # what Conv2d(padding=1) did before
+    assert out.shape == (2, 8, 8, 8)
+    assert (out - reference).abs().max().item() < 1e-6
+    assert (out - symmetric).abs().max().item() > 0.1  # the two paddings really read different windows
+
+
+def _xavier_std(w: torch.Tensor) -> float:
+    """std of Xavier-uniform (fan_avg, scale 1): bound sqrt(6 / (fan_in + fan_out)), std bound / sqrt(3)."""
+    receptive = w[0, 0].numel() if w.ndim > 2 else 1
+    return math.sqrt(2.0 / ((w.shape[0] + w.shape[1]) * receptive))
+
+
+def test_initialization_is_the_official_xavier_uniform_with_near_zero_last_layers():
+    torch.manual_seed(0)
+    model = preset("ddpm-cifar10")
+    near_zero = {id(model.conv_out.weight)}
+    near_zero |= {id(m.conv2.weight) for m in model.modules() if isinstance(m, ResBlock)}
+    near_zero |= {id(m.proj_out.weight) for m in model.modules() if isinstance(m, AttnBlock)}
+    checked = 0
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            if "norm" not in name:
+                assert p.abs().max() == 0, f"{name}: the official biases start at zero"
+            continue
+        if p.ndim < 2:
+            continue  # GroupNorm weights: 1
+        if id(p) in near_zero:  # official init_scale 0 -> variance_scaling(1e-10): std 1e-5 of Xavier's
+            assert 0 < p.std().item() < 1e-4 * _xavier_std(p), name
+            continue
+        if name.endswith("qkv.weight"):  # three C x C projections in the official code, initialized apart
+            c = p.shape[1]
+            for i in range(3):
+                assert p[i * c:(i + 1) * c].std().item() == pytest.approx(_xavier_std(p[:c]), rel=0.1), name
+            continue
+        if p.ndim == 4 and p.shape[-1] == 3:
+            assert p.std().item() == pytest.approx(_xavier_std(p), rel=0.1), name
+            checked += 1
+    assert checked == 1 + 22 + 3 + 3  # conv_in, conv1 of the 22 residual blocks, 3 downsampling and 3 upsampling convs
+    assert len(near_zero) == 22 + 6 + 1
 
 
 def test_bad_arguments_get_clear_errors():

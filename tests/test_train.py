@@ -31,6 +31,7 @@ def test_fp16_on_cpu_explains_and_suggests_bf16():
     (dict(optimizer="adadelta", fused_optimizer=True), r"fused_optimizer is available for"),
     (dict(dataset="folder"), r"image_folder="),
     (dict(model="big"), r"unknown model 'big'"),
+    (dict(max_seconds=0), r"max_seconds must be > 0 or None"),
 ])
 def test_invalid_config_values_get_clear_errors(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -117,7 +118,7 @@ def test_speed_switches_do_not_change_the_math(tmp_path, synthetic_batch, optimi
 def test_ema_follows_the_weights(tmp_path, synthetic_batch):
     t = build(tiny_config(tmp_path, ema_decay=0.5))
     t.train_step(synthetic_batch)
-    # after one step only conv_out has moved: the zero-initialized output blocks all other gradients
+    # after one step the weights have moved and the EMA (decay 0.5) lags halfway behind them
     w, e = t.model.conv_out.weight, t.ema.model.conv_out.weight
     assert not torch.equal(w, e) and not e.requires_grad
     assert torch.isfinite(t.sample(2, steps=3, progress=False)).all()
@@ -133,6 +134,16 @@ def test_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
     assert [v for _, v in first.losses + second.losses] == [v for _, v in full.losses]
     for p, q in zip(full.trainer.model.parameters(), second.trainer.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_max_seconds_ends_the_run_after_the_step_that_reaches_it_and_checkpoints_there(tmp_path):
+    result = train(tiny_config(tmp_path, steps=100_000, max_seconds=1.0, checkpoint_every=100_000, log_every=100_000))
+    steps = result.trainer.step
+    assert result.stopped_by_time and 1 <= steps < 100_000 and result.seconds >= 1.0
+    assert [s for s, _ in result.losses] == list(range(1, steps + 1))
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == [f"step-{steps:08d}.pt"]
+    assert result.dataset == "synthetic shapes (256 generated images)"
+    assert not train(tiny_config(tmp_path / "short", steps=3, max_seconds=600)).stopped_by_time
 
 
 def test_resume_across_an_epoch_boundary_with_workers(tmp_path):
