@@ -1,0 +1,22 @@
+"""bench_peers in smoke mode: every contender builds, trains and is measured side by side."""
+
+import pytest
+
+from ddpm_core import bench_peers, results
+
+
+@pytest.mark.slow
+def test_bench_peers_runs_in_smoke_mode_and_writes_one_row_per_contender(tmp_path, capsys):
+    out = tmp_path / "peers.csv"
+    assert bench_peers.main(["--smoke", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = results.load(out)
+    assert list(rows["variant"]) == ["ours: baseline", "ours: fast", "diffusers", "lucidrains"], printed
+    assert (rows["flops_per_step"] > 0).all() and rows["device_name"].notna().all()
+    assert "skipped" not in printed
+
+
+def test_bench_peers_refuses_a_bad_batch_size_before_building_anything(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_peers.main(["--batch-size", "0"])
+    assert e.value.code == 2 and "--batch-size must be >= 1" in capsys.readouterr().err
