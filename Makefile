@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+# The git filter that keeps notebook outputs and kernel-specific metadata out of git (.gitattributes):
+# what JupyterLab adds when it runs and saves a notebook is stripped before git compares or commits.
+NBSTRIP := $(abspath $(VENV))/bin/nbstripout --keep-id --extra-keys metadata.language_info
 
 .PHONY: setup run notebook test lab cifar10 weights reference clean
 
@@ -11,6 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -c constraints.txt -e ".[dev]"
 	$(PY) -c "import torch, torchvision, ddpm_core; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
+	-git config filter.nbstripout.clean "$(NBSTRIP)" && git config filter.nbstripout.smudge cat
 	touch $(STAMP)
 
 setup: $(STAMP)          ## create .venv and install the project with its dev tools

@@ -1,6 +1,7 @@
 """The install files and the README agree with each other and with the Makefile."""
 
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -66,3 +67,49 @@ def test_repo_layout():
         assert (ROOT / path).exists(), path
     ignored = (ROOT / ".gitignore").read_text()
     assert "data/*" in ignored and "!data/README.md" in ignored and "!data/reference/" in ignored
+
+
+def _nbstrip_command() -> str:
+    makefile = (ROOT / "Makefile").read_text()
+    line = next(ln for ln in makefile.splitlines() if ln.startswith("NBSTRIP"))
+    return line.split(":=", 1)[1].strip().replace("$(abspath $(VENV))/bin/nbstripout", f"{sys.executable} -m nbstripout")
+
+
+def test_a_notebook_run_and_saved_in_jupyterlab_leaves_git_status_clean(tmp_path):
+    """What JupyterLab writes when it runs and saves a notebook (outputs, execution counts, the
+    kernel's language_info) is removed by the git filter that `make setup` configures, so git sees
+    the committed file. Checked with git itself: hash-object --path applies .gitattributes' filter."""
+    import subprocess
+
+    import nbformat
+
+    assert "notebooks/*.ipynb filter=nbstripout" in (ROOT / ".gitattributes").read_text()
+    src = ROOT / "notebooks" / "00_setup.ipynb"
+    nb = nbformat.read(src, as_version=4)
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="hello\n")]
+    code.execution_count = 7
+    nb.metadata["language_info"] = {"name": "python", "version": "3.12.3", "mimetype": "text/x-python",
+                                    "codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py"}
+    saved = tmp_path / "00_setup.ipynb"
+    nbformat.write(nb, saved)
+
+    def blob(path) -> str:
+        return subprocess.run(["git", "-c", f"filter.nbstripout.clean={_nbstrip_command()}", "hash-object",
+                               "--path=notebooks/00_setup.ipynb", str(path)], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    assert blob(saved) == blob(src)
+    # and the committed notebooks are already what the filter makes of them (as JupyterLab writes their metadata)
+    import shutil
+
+    committed = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    copies = []
+    for nb_path in committed:
+        assert nbformat.read(nb_path, as_version=4).metadata.kernelspec.display_name == "Python 3 (ipykernel)", nb_path.name
+        copies.append(tmp_path / "strip" / nb_path.name)
+        copies[-1].parent.mkdir(exist_ok=True)
+        shutil.copy(nb_path, copies[-1])
+    subprocess.run(_nbstrip_command().split() + [str(c) for c in copies], check=True)
+    for nb_path, copy in zip(committed, copies):
+        assert copy.read_text() == nb_path.read_text(), f"{nb_path.name} is not in the form the git filter writes"
