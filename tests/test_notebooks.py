@@ -119,3 +119,18 @@ def test_notebooks_write_runs_under_the_runs_dir_not_relative_paths():
     """HTA prefixes relative paths with /tmp/trace; and the reference run collects traces from runs_dir()."""
     for nb in NOTEBOOKS:
         assert "../runs" not in _code(nb.stem), nb.name
+
+
+def test_the_readme_and_each_notebook_state_the_same_measured_smoke_run_time():
+    import re
+
+    from ddpm_core.paths import REPO_ROOT
+
+    rows = {line.split("](notebooks/")[1].split(")")[0]: line for line in (REPO_ROOT / "README.md").read_text().splitlines()
+            if line.startswith("| [") and "](notebooks/" in line}
+    for nb in NOTEBOOKS:
+        first = nbformat.read(nb, as_version=4).cells[0].source
+        said = re.search(r"\*\*Run time:\*\* (?:about )?([\d.]+ (?:s|min)) in smoke mode on a 2-core CPU \(measured", first)
+        assert said, f"{nb.name}: the Run time line must state the measured smoke time"
+        readme_cell = rows[nb.name].rstrip(" |").rsplit("|", 1)[1].strip()
+        assert readme_cell.lstrip("~") == said.group(1), (nb.name, readme_cell, said.group(1))
