@@ -410,6 +410,25 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
     return _suptitle(fig, title, label)
 
 
+def trace_diff_bars(diff, *, label: str | None = None, title: str = "What changed in the trace") -> "plt.Figure":
+    """The rows of ``traces.diff``: time change per operator or kernel, green where time was saved,
+    red where it was added, with the call counts before -> after."""
+    set_style()
+    diff = diff.reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(diff) + 1.6))
+    ms = diff["time change (us)"] / 1e3
+    ax.barh(range(len(diff)), ms, color=["C2" if v < 0 else "C3" for v in ms])
+    names = [(n if len(n) <= 48 else n[:24] + "..." + n[-21:]) for n in diff["name"].astype(str)]
+    ax.set_yticks(range(len(diff)), [f"{n}  ({b:.0f} -> {a:.0f} calls)" for n, b, a in
+                                     zip(names, diff["calls before"], diff["calls after"])], fontsize=8)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time change in one step (ms; negative = saved)")
+    _title(ax, title, label)
+    fig.tight_layout()
+    return fig
+
+
 def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "images_per_s",
               title: str = "Cumulative speedup, stage by stage",
               separated: list[bool] | None = None) -> "plt.Figure":

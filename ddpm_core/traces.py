@@ -354,3 +354,35 @@ def events_per_step(trace_dir: str | Path) -> pd.DataFrame:
         rows.append({"rank": rank, "steps": steps, "gpu_kernels_per_step": kernels / max(steps, 1),
                      "cpu_ops_per_step": ops / max(steps, 1)})
     return pd.DataFrame(rows)
+
+
+def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | None = None) -> pd.DataFrame:
+    """HTA's ``TraceDiff`` of two trace folders: which operators (CPU) or kernels (GPU) appeared,
+    vanished, or changed in count and time between ``before`` and ``after`` (one profiled step each,
+    the first of each trace, rank 0).
+
+    Returns the ``top`` rows by absolute change in time, with HTA's columns renamed for reading:
+    ``calls before/after``, ``time before/after (us)``, ``time change (us)`` and ``change``
+    ("+" new, "-" gone, "=" same count, ">"/"<" more/fewer calls). ``gpu`` None: kernels when both
+    traces have GPU kernels, operators otherwise.
+    """
+    from hta.trace_diff import DeviceType, TraceDiff
+
+    before, after = Path(before).resolve(), Path(after).resolve()  # HTA puts /tmp/trace before relative paths
+    for folder in (before, after):
+        if not folder.is_dir() or not _trace_files(folder):
+            raise TraceError(f"no trace files (*.pt.trace.json[.gz]) in {folder}: capture one with profiling.capture")
+    if gpu is None:
+        gpu = all(_has_gpu_kernels({0: _load_json(_trace_files(f)[0])}) for f in (before, after))
+    with _quiet():
+        df = TraceDiff.compare_traces(str(before), str(after), device_type=DeviceType.GPU if gpu else DeviceType.CPU,
+                                      use_short_name=True)
+    df = df.rename(columns={"Control_counts": "calls before", "Test_counts": "calls after",
+                            "Control_total_duration": "time before (us)", "Test_total_duration": "time after (us)",
+                            "diff_counts": "calls change", "diff_duration": "time change (us)",
+                            "counts_change_categories": "change"})
+    if not gpu:  # CPU: the ATen operators themselves; wrappers (autograd nodes, compiled regions) nest them
+        df = df[df.index.astype(str).str.startswith("aten::")]
+    df = df.reindex(df["time change (us)"].abs().sort_values(ascending=False).index).head(top)
+    df = df.reset_index()
+    return df.rename(columns={df.columns[0]: "name"})

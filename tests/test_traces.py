@@ -224,3 +224,22 @@ def test_capture_prints_nothing_to_stderr_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "USDT" not in r.stderr and "gpuGetDeviceCount" not in r.stderr, r.stderr
+
+
+def test_trace_diff_shows_the_operators_an_optimization_removed_and_added(tmp_path):
+    """HTA's TraceDiff on two of our own captures, math attention vs SDPA: bmm vanishes and the fused
+    attention operator appears."""
+    from ddpm_core import plots
+
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    for attention in ("math", "sdpa"):
+        t = build(tiny_config(tmp_path, attention=attention, batch_size=2))
+        profiling.capture(t.train_step, x, out_dir=tmp_path / attention, wait=1, warmup=1, active=1)
+    d = traces.diff(tmp_path / "math", tmp_path / "sdpa", top=40)
+    rows = d.set_index("name")
+    assert rows.loc["aten::bmm", "calls after"] == 0 and rows.loc["aten::bmm", "change"] == "-"
+    assert any("scaled_dot_product" in n and rows.loc[n, "change"] == "+" for n in rows.index), list(rows.index)
+    assert all(n.startswith("aten::") for n in rows.index)
+    assert plots.trace_diff_bars(d.head(8)) is not None
+    with pytest.raises(traces.TraceError, match="no trace files"):
+        traces.diff(tmp_path / "math", tmp_path / "nothing-here")
