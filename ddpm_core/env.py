@@ -83,3 +83,17 @@ def describe(device: torch.device | str | None = None) -> dict[str, str]:
         info["compute capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         info["gpu memory"] = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB"
     return info
+
+
+def show(device: torch.device | str | None = None) -> tuple[torch.device, str]:
+    """The environment cell of every notebook: print the label every figure and table is titled
+    with, display the versions and the device as a table, and return ``(device, label)``.
+    ``device`` None: the GPU if there is one, else the CPU."""
+    import pandas as pd
+    from IPython.display import display
+
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    text = label(device)
+    print(text)
+    display(pd.Series(describe(device), name="value").to_frame())
+    return device, text

@@ -317,3 +317,10 @@ def test_summary_table_names_what_memory_it_shows_and_adds_reserved_on_cuda():
                              5 * 2**30, None, "bf16")
     t = bench.summary_table([gpu])
     assert t["reserved (MiB)"].iloc[0] == 5 * 1024 and t["peak memory (MiB)"].iloc[0] == 3 * 1024
+
+
+def test_env_show_prints_the_label_and_returns_the_device(capsys):
+    from ddpm_core import env
+
+    device, text = env.show("cpu")
+    assert device == torch.device("cpu") and text == env.label("cpu") and text in capsys.readouterr().out
