@@ -7,12 +7,13 @@ a temporary file and a rename, so a writer killed mid-write leaves the previous 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import pandas as pd
 import torch
@@ -71,11 +72,31 @@ def append(
     if not new:
         raise ValueError("append() needs at least one row")
     path = Path(path) if path is not None else results_path(notebook)
-    old = load(path) if path.exists() else pd.DataFrame()
-    df = pd.concat([old, pd.DataFrame(new)], ignore_index=True)
-    cols = [c for c in ID_COLUMNS if c in df.columns] + [c for c in df.columns if c not in ID_COLUMNS]
-    atomic_write_text(path, df[cols].to_csv(index=False))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Read, add, rewrite under an exclusive lock: without it, concurrent writers (ranks, notebooks
+    # run side by side) each read the old file and the last rename wins, dropping the others' rows.
+    with _locked(path):
+        old = load(path) if path.exists() and path.stat().st_size > 0 else pd.DataFrame()
+        df = pd.concat([old, pd.DataFrame(new)], ignore_index=True)
+        cols = [c for c in ID_COLUMNS if c in df.columns] + [c for c in df.columns if c not in ID_COLUMNS]
+        atomic_write_text(path, df[cols].to_csv(index=False))
     return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``<path>.lock`` (POSIX ``flock``; a no-op where there is none)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; writers there are not concurrent in this series
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load(notebook_or_path: str | os.PathLike) -> pd.DataFrame:
@@ -85,7 +106,14 @@ def load(notebook_or_path: str | os.PathLike) -> pd.DataFrame:
         p = results_path(str(notebook_or_path))
     if not p.exists():
         raise FileNotFoundError(f"no results file {p}. Fix: run the notebook that writes it, or check the name.")
+    if p.stat().st_size == 0:
+        raise ValueError(f"results file {p} is empty (0 bytes; a writer was interrupted before the atomic writes "
+                         "of this version). Fix: delete it; the next run writes it again.")
     try:
-        return pd.read_csv(p)
+        # Identity columns stay text: a variant named "NA" or "1e3" must not come back as NaN or 1000.0.
+        header = pd.read_csv(p, nrows=0).columns
+        missing = ["", "NaN", "nan", "NA", "N/A", "<NA>", "null", "None"]
+        return pd.read_csv(p, dtype={c: str for c in ID_COLUMNS if c in header}, keep_default_na=False,
+                           na_values={c: missing for c in header if c not in ID_COLUMNS})
     except (pd.errors.ParserError, UnicodeDecodeError) as e:
         raise ValueError(f"results file {p} is not a readable CSV: {e}") from e

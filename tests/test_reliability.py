@@ -195,3 +195,46 @@ def test_partial_files_of_killed_writers_are_cleaned_up_and_fresh_ones_kept(tmp_
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     atomic_write_text(tmp_path / "ckpt.pt", "new")
     assert not stale.exists() and fresh.exists()
+
+
+# ------------------------------------------------------------------------------ results CSVs
+def _append_rows(path, writer, n):
+    from ddpm_core import results
+
+    for i in range(n):
+        results.append("nb", {"variant": f"w{writer}-{i}", "median_ms": float(i)}, path=path)
+
+
+def test_concurrent_writers_keep_every_row(tmp_path):
+    """4 processes x 25 appends = 100 rows (without a lock, 25-30 survived)."""
+    import multiprocessing as mp
+
+    from ddpm_core import results
+
+    path = tmp_path / "r.csv"
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_append_rows, args=(path, w, 25)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    df = results.load(path)
+    assert len(df) == 100 and df["variant"].nunique() == 100
+
+
+def test_results_ids_stay_text_and_an_empty_file_names_itself(tmp_path):
+    from ddpm_core import results
+
+    path = tmp_path / "r.csv"
+    results.append("nb", [{"variant": "NA", "mfu": None, "median_ms": 1.5}, {"variant": "1e3", "mfu": 0.4, "median_ms": 2.0}],
+                   path=path)
+    df = results.load(path)
+    assert list(df["variant"]) == ["NA", "1e3"]
+    assert df["mfu"].dtype.kind == "f" and df["mfu"].isna().iloc[0] and df["median_ms"].iloc[1] == 2.0
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty.csv is empty"):
+        results.load(empty)
+    results.append("nb", {"variant": "after"}, path=empty)  # a later append starts the file afresh
+    assert list(results.load(empty)["variant"]) == ["after"]
