@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -446,8 +447,21 @@ class Trainer:
         path = ckpt_dir / f"step-{self.step:08d}.pt"
         with atomic_open(path, "wb") as f:
             torch.save({**self.state_dict(), "rng": rngs}, f)
-        for old in list_checkpoints(out_dir)[: -self.cfg.keep_checkpoints]:
-            old.unlink(missing_ok=True)
+        if not checkpoint_readable(path):
+            raise RuntimeError(f"the checkpoint just written, {path}, cannot be read back; the earlier ones are kept. "
+                               "Fix: check the disk (space, errors) and run again: training resumes from the newest good one.")
+        # Prune: only verified checkpoints count towards keep_checkpoints; unreadable ones are set
+        # aside (renamed *.corrupt), never counted as kept and never the reason a good one is deleted.
+        good = [path]
+        for older in reversed(list_checkpoints(out_dir)):
+            if older == path:
+                continue
+            if checkpoint_readable(older):
+                good.append(older)
+            else:
+                set_aside(older)
+        for extra in good[self.cfg.keep_checkpoints:]:
+            extra.unlink(missing_ok=True)
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -483,19 +497,48 @@ class Trainer:
                           f"training continues with fresh random streams")
 
     def resume_latest(self, out_dir: str | os.PathLike) -> Path | None:
-        """Load the newest readable checkpoint under ``out_dir``; return its path (None if none)."""
+        """Load the newest readable checkpoint under ``out_dir``; return its path (None if none).
+
+        A file that does not load as a checkpoint (cut short, corrupt, not plain tensors) is set
+        aside as ``*.corrupt`` and the previous one is tried. A readable checkpoint that does not
+        fit this run (another configuration) raises: it is never moved or skipped.
+        """
         for path in reversed(list_checkpoints(out_dir)):
-            try:
-                self.load_checkpoint(path)
-                return path
-            except (RuntimeError, EOFError, OSError, KeyError) as e:  # unreadable: try the previous one
-                warnings.warn(f"skipping unreadable checkpoint {path}: {e}")
+            if not checkpoint_readable(path):
+                moved = set_aside(path) if self.rank == 0 else path
+                warnings.warn(f"skipping unreadable checkpoint {path} (moved to {moved.name})")
+                continue
+            self.load_checkpoint(path)
+            return path
         return None
 
 
 def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under ``out_dir``, oldest first (temporary files are ignored)."""
     return sorted((Path(out_dir) / "checkpoints").glob("step-*.pt"))
+
+
+def checkpoint_readable(path: str | os.PathLike) -> bool:
+    """Whether ``path`` loads as a checkpoint of ours (memory-mapped: cheap even for the 0.6 GB ones)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return isinstance(ckpt, dict) and "model" in ckpt and "step" in ckpt
+    except Exception:  # noqa: BLE001 - any failure to load means: not a usable checkpoint
+        return False
+
+
+def set_aside(path: Path) -> Path:
+    """Rename an unreadable checkpoint to ``<name>.corrupt`` (kept for inspection, no longer listed)."""
+    target = path.with_name(path.name + ".corrupt")
+    try:
+        path.replace(target)
+    except OSError:
+        return path
+    return target
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; no checkpoint was written from the diverged weights."""
 
 
 def load_checkpoint_file(path: str | os.PathLike, device: torch.device | str = "cpu") -> dict:
@@ -614,12 +657,22 @@ def train(cfg: TrainConfig) -> TrainResult:
                 done = t.step >= cfg.steps
                 if cfg.max_seconds is not None and not done and _past_budget(start, cfg.max_seconds, t.world_size):
                     result.stopped_by_time = done = True
-                if t.step % cfg.log_every == 0 or done:  # one device sync per log interval
+                save = t.step % cfg.checkpoint_every == 0 or done
+                if t.step % cfg.log_every == 0 or save:  # one device sync per log interval (and before a save)
                     values = torch.stack([v for _, v in pending]).float().tolist()
+                    bad = next(((s, v) for (s, _), v in zip(pending, values) if not math.isfinite(v)), None)
+                    if bad is not None:  # checked before any save: diverged weights never replace good ones
+                        bar.close()
+                        raise TrainingDiverged(
+                            f"the loss became {bad[1]} at step {bad[0]} (lr {t.optimizer.param_groups[0]['lr']:.3g} "
+                            f"after warm-up scaling, base lr {cfg.lr:g}, precision {cfg.precision}, grad_clip "
+                            f"{cfg.grad_clip}). No checkpoint was written from it; the newest one in "
+                            f"{Path(cfg.out_dir) / 'checkpoints'} is from before. Fix: lower lr, keep grad_clip on, "
+                            "or use bf16 instead of fp16.")
                     result.losses += [(s, v) for (s, _), v in zip(pending, values)]
                     pending.clear()
                     bar.set_postfix(loss=f"{values[-1]:.4f}", epoch=epoch)
-                if t.step % cfg.checkpoint_every == 0 or done:
+                if save:
                     t.save_checkpoint(cfg.out_dir)
                 if t.step == kill_at:
                     print(f"rank {t.rank}: killed at step {t.step} on purpose (DDPM_KILL_AT)", flush=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 
 import pytest
+import torch
 
 from ddpm_core import data
 
@@ -238,3 +240,61 @@ def test_results_ids_stay_text_and_an_empty_file_names_itself(tmp_path):
         results.load(empty)
     results.append("nb", {"variant": "after"}, path=empty)  # a later append starts the file afresh
     assert list(results.load(empty)["variant"]) == ["after"]
+
+
+# ------------------------------------------------------------------------------ checkpoints and divergence
+def _run(tmp_path, **kw):
+    from ddpm_core.train import train
+    from helpers import tiny_config
+
+    return train(tiny_config(tmp_path, batch_size=4, synthetic_size=64, **kw))
+
+
+def test_pruning_never_deletes_a_good_checkpoint_because_of_a_corrupt_newer_one(tmp_path):
+    import warnings
+
+    from ddpm_core.train import checkpoint_readable, list_checkpoints
+
+    _run(tmp_path, steps=4, checkpoint_every=2, keep_checkpoints=1)
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step-00000006.pt").write_bytes(os.urandom(4096))  # a corrupt "newest" checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = _run(tmp_path, steps=5, checkpoint_every=1, keep_checkpoints=1)
+    assert r.resumed_from.name == "step-00000004.pt"
+    kept = list_checkpoints(tmp_path / "run")
+    assert [p.name for p in kept] == ["step-00000005.pt"] and checkpoint_readable(kept[0])
+    assert (ckpts / "step-00000006.pt.corrupt").exists()  # set aside, not counted, not deleted
+
+
+def test_with_every_checkpoint_unreadable_new_ones_are_still_kept(tmp_path):
+    import pickle
+    import warnings
+
+    from ddpm_core.train import list_checkpoints
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step-00000008.pt").write_bytes(os.urandom(2048))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    (ckpts / "step-00000009.pt").write_bytes(pickle.dumps(Evil()))  # a malicious pickle
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = _run(tmp_path, steps=2, checkpoint_every=1)
+    assert r.resumed_from is None and not (tmp_path / "pwned").exists()
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000001.pt", "step-00000002.pt"]
+
+
+def test_a_diverging_run_stops_and_never_overwrites_a_finite_checkpoint(tmp_path):
+    from ddpm_core.train import TrainingDiverged, list_checkpoints, load_checkpoint_file
+
+    with pytest.raises(TrainingDiverged, match=r"at step \d+ .*lr .*precision fp32"):
+        _run(tmp_path, steps=40, checkpoint_every=1, log_every=4, lr=100.0, grad_clip=None, warmup_steps=0)
+    assert list_checkpoints(tmp_path / "run")  # the finite steps before it were saved
+    for path in list_checkpoints(tmp_path / "run"):
+        state = load_checkpoint_file(path)["model"]
+        assert all(torch.isfinite(v).all() for v in state.values()), path.name
