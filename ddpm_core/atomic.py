@@ -93,6 +93,27 @@ def remove_stale_partials(path: str | os.PathLike, older_than_s: float = STALE_P
     return removed
 
 
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike) -> Iterator[None]:
+    """An exclusive advisory lock on ``<path>.lock`` (POSIX ``flock``; a no-op where there is none).
+
+    The lock goes with the open file, so a process that dies holding it releases it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; writers there are not concurrent in this series
+        yield
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

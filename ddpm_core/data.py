@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .atomic import _umask, file_lock
 from .paths import data_dir
 
 DATASET_CHOICES = ("auto", "cifar10", "synthetic", "folder")
@@ -282,29 +283,40 @@ def make_synthetic(
         return final
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+        lock = file_lock(final)  # one writer per dataset: other processes (DDP ranks) wait, then reuse it
+        lock.__enter__()
     except OSError as e:
         raise DatasetError(
             f"cannot write the synthetic dataset under {final.parent}: {e}. Fix: point the data folder at a "
             f"writable place with the environment variable DDPM_DATA_DIR or --data-root (TrainConfig.data_root)."
         ) from e
     try:
-        rng = np.random.Generator(np.random.PCG64(seed))
-        for i in tqdm(range(n), desc=f"writing synthetic dataset ({n} PNGs)", disable=not progress, leave=False):
-            Image.fromarray(_render_synthetic(rng)).save(tmp / f"{i}.png", optimize=False)
-        (tmp / "MANIFEST.json").write_text(json.dumps(manifest))
-        if _synthetic_complete(final, manifest):  # another process (e.g. a DDP rank) finished first
+        if _synthetic_complete(final, manifest):  # another process finished it while we waited
             return final
-        if final.exists():  # stale or incomplete: replace it
-            shutil.rmtree(final)
+        _remove_abandoned_builds(final)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.{os.getpid()}."))
         try:
+            rng = np.random.Generator(np.random.PCG64(seed))
+            for i in tqdm(range(n), desc=f"writing synthetic dataset ({n} PNGs)", disable=not progress, leave=False):
+                Image.fromarray(_render_synthetic(rng)).save(tmp / f"{i}.png", optimize=False)
+            (tmp / "MANIFEST.json").write_text(json.dumps(manifest))
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders: give the usual permissions
+            if final.exists():  # stale (another version) or incomplete, and we hold the lock: replace it
+                shutil.rmtree(final)
             os.rename(tmp, final)
-        except OSError:
-            if not _synthetic_complete(final, manifest):  # lost a race to a finished copy: fine
-                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        lock.__exit__(None, None, None)
     return final
+
+
+def _remove_abandoned_builds(final: Path) -> None:
+    """Delete hidden half-built copies of ``final`` left by killed writers (called under its lock,
+    so no live writer of this dataset exists: every one found is abandoned)."""
+    for old in final.parent.glob(f".{final.name}.*"):
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _synthetic_complete(folder: Path, manifest: dict) -> bool:

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import pandas as pd
 import torch
 
-from .atomic import atomic_write_text
+from .atomic import atomic_write_text, file_lock
 from .paths import data_dir
 
 ID_COLUMNS = ["notebook", "variant", "device_name", "torch_version", "timestamp", "config"]
@@ -75,28 +75,12 @@ def append(
     path.parent.mkdir(parents=True, exist_ok=True)
     # Read, add, rewrite under an exclusive lock: without it, concurrent writers (ranks, notebooks
     # run side by side) each read the old file and the last rename wins, dropping the others' rows.
-    with _locked(path):
+    with file_lock(path):
         old = load(path) if path.exists() and path.stat().st_size > 0 else pd.DataFrame()
         df = pd.concat([old, pd.DataFrame(new)], ignore_index=True)
         cols = [c for c in ID_COLUMNS if c in df.columns] + [c for c in df.columns if c not in ID_COLUMNS]
         atomic_write_text(path, df[cols].to_csv(index=False))
     return path
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``<path>.lock`` (POSIX ``flock``; a no-op where there is none)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no flock; writers there are not concurrent in this series
-        yield
-        return
-    with open(path.with_name(path.name + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load(notebook_or_path: str | os.PathLike) -> pd.DataFrame:

@@ -139,19 +139,66 @@ def stream_command(cmd: list[str], env: dict | None = None, timeout: float | Non
     """Run ``cmd`` and print its output line by line as it comes (a notebook cell shows it live).
 
     Returns (exit code, the whole output). Used to launch ``torchrun`` from the notebooks.
+
+    The command runs in its own process group. After ``timeout`` seconds, even if it prints
+    nothing, or when the cell is interrupted, the whole group is stopped (SIGTERM, then SIGKILL
+    5 s later), so torchrun's workers do not outlive it; the exit code is then 124 (timeout).
     """
+    import queue
+    import signal
     import subprocess
+    import threading
 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    lines = []
-    start = time.perf_counter()
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        print(line, end="", flush=True)
-        if timeout is not None and time.perf_counter() - start > timeout:
-            proc.kill()
-            break
-    return proc.wait(), "".join(lines)
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
+    lines: list[str] = []
+    q: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+
+    def stop_group() -> None:
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(grace)
+                # the leader is gone; its workers may not be: one more pass reaches them
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                line = q.get(timeout=wait)
+            except queue.Empty:
+                stop_group()
+                msg = f"[stream_command: no end after {timeout:g} s; stopped {cmd[0]} and every process it started]\n"
+                lines.append(msg)
+                print(msg, end="", flush=True)
+                proc.wait()
+                return 124, "".join(lines)
+            if line is None:
+                break
+            lines.append(line)
+            print(line, end="", flush=True)
+    except KeyboardInterrupt:
+        stop_group()
+        raise
+    rc = proc.wait()
+    with contextlib.suppress(ProcessLookupError):  # workers left behind by a leader that exited
+        os.killpg(proc.pid, signal.SIGKILL)
+    return rc, "".join(lines)

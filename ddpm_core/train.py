@@ -127,6 +127,8 @@ class TrainConfig:
         return cls(**settings)
 
     def __post_init__(self) -> None:
+        _check_types(self)
+
         def choice(name: str, valid: tuple) -> None:
             value = getattr(self, name)
             if value not in valid:
@@ -170,6 +172,45 @@ class TrainConfig:
             raise ValueError("dataset='folder' needs image_folder=<path to a folder of PNG/JPEG images>")
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ValueError("prefetch_factor only applies with num_workers > 0; set num_workers or leave prefetch_factor=None")
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """Each field has its declared type, and numbers are finite: values from YAML, JSON or the
+    command line arrive as strings, and a bool is an int to Python, so neither slips through."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), hint)
+        if value is None:
+            if optional:
+                continue
+            raise TypeError(f"{f.name} must not be None (default: {f.default!r})")
+        if base is str and isinstance(value, os.PathLike):  # out_dir=Path(...) is a path like any other
+            value = os.fspath(value)
+            setattr(cfg, f.name, value)
+        if base is bool:
+            ok = isinstance(value, bool)
+        elif base is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif base is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, base) if isinstance(base, type) else True
+        if not ok:
+            hint_fix = ""
+            if isinstance(value, str) and base in (int, float):
+                try:
+                    hint_fix = f" Fix: {f.name}={base(value)!r} (a number, not the string {value!r}: YAML and JSON keep quoted values as text)"
+                except ValueError:
+                    pass
+            kind = base.__name__ if isinstance(base, type) else str(base)
+            raise TypeError(f"{f.name} must be {'an' if kind == 'int' else 'a'} {kind}{' or None' if optional else ''}, "
+                            f"got {value!r} ({type(value).__name__}).{hint_fix}")
+        if base is float and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value!r}"
+                             + (" (use None for none)" if optional else ""))
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -476,7 +517,7 @@ class Trainer:
             desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items())
             raise ValueError(
                 f"checkpoint {path} was written by a different run ({desc}). Fix: use another "
-                f"out_dir for this configuration, or resume=False to start over."
+                f"out_dir for this configuration, or delete {Path(path).parent} to start over in this one."
             )
         self.model.load_state_dict(ckpt["model"])
         if self.ema is not None and ckpt.get("ema") is not None:
@@ -485,6 +526,7 @@ class Trainer:
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.step = int(ckpt["step"])
+        self._apply_schedule(ckpt["config"], path)
         rngs = ckpt.get("rng") or []
         if len(rngs) == self.world_size:
             rng = rngs[self.rank]
@@ -495,6 +537,30 @@ class Trainer:
         elif self.rank == 0:
             warnings.warn(f"{path} holds RNG state for {len(rngs)} ranks, this run has {self.world_size}; "
                           f"training continues with fresh random streams")
+
+    def _apply_schedule(self, saved: dict, path: str | os.PathLike) -> None:
+        """Continue with THIS config's lr and warm-up at the restored step.
+
+        The scheduler's state holds the base lr of the run that wrote the checkpoint, while its
+        warm-up rule comes from this config: restored as is, a changed ``lr`` or ``warmup_steps``
+        would mix the two (a requested 1e-3 ran at 1e-5). The new schedule is applied from the
+        current step, and a change is announced.
+        """
+        lr = self.cfg.lr
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        for group, rule in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["initial_lr"] = lr
+            new = lr * rule(self.scheduler.last_epoch)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(new)
+            else:
+                group["lr"] = new
+        self.scheduler._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
+        changed = [f"{k} {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in ("lr", "warmup_steps")
+                   if saved.get(k) is not None and saved.get(k) != getattr(self.cfg, k)]
+        if changed and self.rank == 0:
+            print(f"note: {', '.join(changed)} since {Path(path).name}; from step {self.step} "
+                  f"on, training follows the new schedule (lr now {self.scheduler._last_lr[0]:.3g})", flush=True)
 
     def resume_latest(self, out_dir: str | os.PathLike) -> Path | None:
         """Load the newest readable checkpoint under ``out_dir``; return its path (None if none).
@@ -537,6 +603,10 @@ def set_aside(path: Path) -> Path:
     return target
 
 
+class RendezvousError(RuntimeError):
+    """The processes of a multi-process run did not all join the process group in time."""
+
+
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; no checkpoint was written from the diverged weights."""
 
@@ -568,20 +638,58 @@ def _init_distributed(cfg: TrainConfig) -> bool:
         return False
     from datetime import timedelta
 
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            f"not: this looks like a multi-process run started without torchrun. Fix: launch it with "
+            f"torchrun --nproc_per_node={os.environ['WORLD_SIZE']} -m ddpm_core.train ..., or unset WORLD_SIZE "
+            f"for one process.")
     use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(local_gpu_index())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    wait_s = float(os.environ.get("DDPM_RENDEZVOUS_TIMEOUT", "300"))
     # torchrun keeps one key-value store across restarts. A restarted group would read the
     # addresses the killed workers left there and fail to connect, so every attempt gets its
     # own key prefix.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=(not agent_store and rank == 0), timeout=timedelta(minutes=10))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.PrefixStore(f"ddpm/attempt-{attempt}", store),
-                            rank=rank, world_size=world)
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=(not agent_store and rank == 0), timeout=timedelta(seconds=wait_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                store=dist.PrefixStore(f"ddpm/attempt-{attempt}", store), rank=rank, world_size=world)
+    except (RuntimeError, dist.DistError) as e:
+        raise RendezvousError(
+            f"rank {rank} of {world} could not form the process group at {where} within {wait_s:g} s "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). The other processes did not join: "
+            f"start all {world} with one torchrun command (torchrun --nproc_per_node={world} ...), or on several "
+            f"machines with the same --rdzv_endpoint. DDPM_RENDEZVOUS_TIMEOUT sets the wait in seconds.") from e
     return True
+
+
+def check_out_dir(out_dir: str | os.PathLike) -> Path:
+    """Create ``out_dir`` and prove it writable, before any training (the first checkpoint comes
+    ``checkpoint_every`` steps later: a bad path must not cost those steps)."""
+    p = Path(out_dir)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"out_dir {p} is a file, not a folder. Fix: pass a folder, e.g. --out-dir runs/my-run "
+                         f"(checkpoints go to <out_dir>/checkpoints/).")
+    if p.name == "checkpoints" and any(p.glob("step-*.pt")):
+        raise ValueError(f"out_dir {p} is the checkpoints folder of a run, not the run's folder: training would start "
+                         f"over in {p / 'checkpoints'}. Fix: out_dir={str(p.parent)!r} to resume that run.")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot write to out_dir {p} ({e.strerror or e}). Fix: pass a folder you can write to "
+                         f"(--out-dir / TrainConfig(out_dir=...)); nothing was trained yet.") from e
+    return p
 
 
 def _past_budget(start: float, seconds: float, world_size: int) -> bool:
@@ -622,6 +730,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     from tqdm.auto import tqdm
 
+    check_out_dir(cfg.out_dir)
     started_group = _init_distributed(cfg)
     try:
         t = build(cfg)
@@ -717,15 +826,47 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_sample_args(grid: str | None, n_samples: int, sample_steps: int, timesteps: int) -> None:
+    """The sample-grid options, checked before training (they are used after it)."""
+    if n_samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {n_samples}")
+    if not 1 <= sample_steps <= timesteps:
+        raise ValueError(f"--sample-steps must be in 1..{timesteps} (the diffusion's steps), got {sample_steps}")
+    if grid:
+        p = Path(grid)
+        if p.suffix.lower() != ".png":
+            raise ValueError(f"--sample-grid {grid!r} must name a .png file, e.g. samples.png")
+        if p.is_dir():
+            raise ValueError(f"--sample-grid {grid!r} is a folder; name a file in it, e.g. {p / 'samples.png'}")
+        parent = p.resolve().parent
+        try:  # prove it writable now: the grid is written after all the training
+            import tempfile
+
+            parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".write-test-"):
+                pass
+        except OSError as e:
+            raise ValueError(f"--sample-grid {grid!r}: cannot write into {parent} ({e.strerror or e}). "
+                             f"Fix: a path in a folder you can write to.") from e
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line. A configuration, path or data error prints ``error: <what and the fix>``
+    and exits 2 (no traceback); a run that diverges exits 1 with the same kind of line."""
     args = vars(_parser().parse_args(argv))
     grid, n_samples, sample_steps = args.pop("sample_grid"), args.pop("samples"), args.pop("sample_steps")
+    from .data import DatasetError
+
     try:
         cfg = TrainConfig(**args)
-    except ValueError as e:
+        check_sample_args(grid, n_samples, sample_steps, cfg.timesteps)
+        result = train(cfg)
+    except (ValueError, TypeError, DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = train(cfg)
+    except (TrainingDiverged, RendezvousError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     t = result.trainer
     if grid and t.rank == 0:
         from .plots import save_image_grid

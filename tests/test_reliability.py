@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ddpm_core import data
+from helpers import tiny_config
 
 
 @pytest.fixture
@@ -298,3 +299,153 @@ def test_a_diverging_run_stops_and_never_overwrites_a_finite_checkpoint(tmp_path
     for path in list_checkpoints(tmp_path / "run"):
         state = load_checkpoint_file(path)["model"]
         assert all(torch.isfinite(v).all() for v in state.values()), path.name
+
+
+# ------------------------------------------------------------------ configuration errors come first, by name
+@pytest.mark.parametrize("kw, message", [
+    (dict(batch_size="64"), r"batch_size must be an int, got '64' \(str\)\. Fix: batch_size=64"),
+    (dict(lr="2e-4"), r"lr must be a float, got '2e-4' \(str\)\. Fix: lr=0\.0002"),
+    (dict(batch_size=True), r"batch_size must be an int, got True \(bool\)"),
+    (dict(keep_checkpoints=1.5), r"keep_checkpoints must be an int, got 1\.5"),
+    (dict(lr=float("inf")), r"lr must be a finite number, got inf"),
+    (dict(grad_clip=float("nan")), r"grad_clip must be a finite number, got nan \(use None for none\)"),
+    (dict(resume="no"), r"resume must be a bool, got 'no'"),
+])
+def test_config_types_are_checked_and_the_field_named(tmp_path, kw, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        tiny_config(tmp_path, **kw)
+
+
+def test_a_path_object_is_a_valid_out_dir(tmp_path):
+    assert tiny_config(tmp_path, out_dir=tmp_path / "run").out_dir == str(tmp_path / "run")
+
+
+def test_a_changed_lr_or_warmup_on_resume_is_used_from_then_on(tmp_path, capsys):
+    from ddpm_core.train import build, load_checkpoint_file, list_checkpoints
+
+    _run(tmp_path, steps=2, checkpoint_every=2, lr=1e-5, warmup_steps=100)
+    cfg = tiny_config(tmp_path, batch_size=4, synthetic_size=64, steps=3, checkpoint_every=1, lr=1e-3, warmup_steps=0)
+    t = build(cfg)
+    t.resume_latest(cfg.out_dir)
+    assert "lr 1e-05 -> 0.001, warmup_steps 100 -> 0" in capsys.readouterr().out
+    # was 1e-5 * min(1, 3/0...) mixed: the old base lr with the new warm-up
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    assert t.scheduler.base_lrs == [1e-3]
+    t.train_step(torch.zeros(4, 3, 32, 32))
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    # and a warm-up that is still running continues from the restored step with the new lr
+    t2 = build(tiny_config(tmp_path, batch_size=4, synthetic_size=64, lr=2e-3, warmup_steps=10))
+    t2.resume_latest(t2.cfg.out_dir)
+    assert t2.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 3 / 10)
+
+
+def test_path_errors_are_raised_before_any_training(tmp_path, monkeypatch):
+    from ddpm_core import train as T
+
+    steps = []
+    monkeypatch.setattr(T.Trainer, "train_step", lambda self, x: steps.append(1))
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    with pytest.raises(ValueError, match=r"is a file, not a folder"):
+        _run(tmp_path, out_dir=str(a_file))
+    with pytest.raises(ValueError, match=r"cannot write to out_dir .*nothing was trained yet"):
+        _run(tmp_path, out_dir=str(a_file / "run"))
+    assert steps == [] and a_file.read_text() == "mine"
+
+
+def test_out_dir_pointed_at_the_checkpoints_folder_is_refused(tmp_path):
+    _run(tmp_path, steps=2, checkpoint_every=2)
+    with pytest.raises(ValueError, match=r"is the checkpoints folder of a run.*out_dir=.*run'"):
+        _run(tmp_path, steps=4, out_dir=str(tmp_path / "run" / "checkpoints"))
+
+
+def test_the_mismatch_error_does_not_suggest_resume_false(tmp_path):
+    _run(tmp_path, steps=2, checkpoint_every=2)
+    with pytest.raises(ValueError, match=r"different run") as e:
+        _run(tmp_path, steps=4, seed=1)
+    assert "resume=False" not in str(e.value) and "delete" in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--precision", "fp16", "--device", "cpu"], r"^error: precision='fp16' cannot run on cpu"),
+    (["--samples", "0"], r"^error: --samples must be >= 1"),
+    (["--sample-grid", "grid.jpg"], r"^error: --sample-grid 'grid.jpg' must name a \.png"),
+    (["--batch-size", "0"], r"^error: batch_size must be >= 1"),
+])
+def test_the_command_line_prints_one_error_line_and_exits_2_before_training(tmp_path, monkeypatch, capsys, args, message):
+    from ddpm_core import train as T
+
+    monkeypatch.setattr(T.Trainer, "train_step", lambda self, x: pytest.fail("trained before the error"))
+    rc = T.main(["--model", "tiny", "--dataset", "synthetic", "--synthetic-size", "64", "--no-progress",
+                 "--out-dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert any(__import__("re").match(message, line) for line in err.splitlines()), err
+
+
+def test_world_size_without_torchrun_says_to_use_torchrun(tmp_path, monkeypatch, capsys):
+    from ddpm_core import train as T
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    rc = T.main(["--model", "tiny", "--out-dir", str(tmp_path / "run")])
+    assert rc == 2 and "started without torchrun" in capsys.readouterr().err  # was: KeyError: 'RANK'
+
+
+def test_a_missing_peer_ends_the_wait_with_a_clear_error(tmp_path, monkeypatch):
+    from ddpm_core import train as T
+
+    with socket.socket() as s:  # a port nobody listens on: the other process never came
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("DDPM_RENDEZVOUS_TIMEOUT", "1")
+    start = time.monotonic()
+    with pytest.raises(T.RendezvousError, match=r"rank 1 of 2 could not form the process group .* within 1 s"):
+        _run(tmp_path)
+    assert time.monotonic() - start < 60  # was: a silent wait of up to 10 minutes
+
+
+def test_stream_command_stops_a_silent_command_and_its_children_at_the_timeout(tmp_path):
+    from ddpm_core.series import stream_command
+
+    pid_file = tmp_path / "child.pid"
+    start = time.monotonic()
+    rc, out = stream_command(["sh", "-c", f"sleep 300 & echo $! > {pid_file}; sleep 300"], timeout=1)
+    assert rc == 124 and "no end after 1 s" in out
+    assert time.monotonic() - start < 30  # was: no timeout until a line arrived
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the command's child outlived the timeout")  # was: kill() reached only the direct child
+
+
+def _build_synthetic(root):
+    p = data.make_synthetic(root, n=16, progress=False)
+    return sorted(x.name for x in p.iterdir())
+
+
+def test_concurrent_synthetic_builds_make_one_complete_dataset_and_clean_up(tmp_path):
+    import multiprocessing as mp
+
+    abandoned = tmp_path / "synthetic" / ".n16-seed0.12345.xyz"  # left by a writer killed with SIGKILL
+    abandoned.mkdir(parents=True)
+    (abandoned / "0.png").write_bytes(b"half")
+    with mp.get_context("fork").Pool(4) as pool:
+        listings = pool.map(_build_synthetic, [tmp_path] * 4)
+    assert all(lst == listings[0] for lst in listings) and len(listings[0]) == 17  # 16 PNGs + MANIFEST
+    hidden = [p.name for p in (tmp_path / "synthetic").iterdir() if p.name.startswith(".")]
+    assert hidden == []  # was: hidden half-built folders stayed forever
+    mode = (tmp_path / "synthetic" / "n16-seed0").stat().st_mode & 0o777
+    mask = os.umask(0)
+    os.umask(mask)
+    assert mode == 0o777 & ~mask  # was 0700 (mkdtemp's)

@@ -344,6 +344,8 @@ def test_more_processes_than_gpus_get_a_clear_error_before_any_work(monkeypatch)
     # Under torchrun the check runs when joining the group, before torch.cuda.set_device and NCCL.
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) before the check"))
     with pytest.raises(ValueError, match=r"LOCAL_RANK 1 but only 1 GPU"):
         train_mod._init_distributed(TrainConfig(model="tiny", device="auto"))
