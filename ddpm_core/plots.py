@@ -225,6 +225,9 @@ def top_ops(table, *, label: str | None = None, n: int = 10, value: str | None =
         rank = int(table["rank"].min())
         table = table[table["rank"] == rank]
         title = f"{title or 'Top operators'} (rank {rank})"
+    from .profiling import ANNOTATION
+
+    table = table[~table["name"].astype(str).str.match(ANNOTATION.pattern)]  # step markers and phases are spans, not operators
     top = table.sort_values(value, ascending=False).head(n)
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(top) + 1.6))
     bars = ax.barh(top["name"].astype(str).str.slice(0, 60), top[value] / 1e3)

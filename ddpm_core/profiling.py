@@ -148,6 +148,28 @@ def native_stderr_filtered() -> Iterator[None]:
                 sys.stderr.flush()
 
 
+# Labels that mark spans of a step, not operators: the profiler's step markers and the phases
+# Trainer.train_step labels with record_function (forward, backward, optimizer, ema).
+PHASE_PREFIX = "train_step/"
+ANNOTATION = re.compile(r"^(ProfilerStep#|" + re.escape(PHASE_PREFIX) + ")")
+
+
+def step_phases(table: pd.DataFrame) -> pd.DataFrame:
+    """The train_step phases of an op table (``op_table(..., annotations=True)``): CPU time per
+    phase (and device time where a GPU ran), per profiled step, and each phase's share."""
+    rows = table[table["name"].astype(str).str.startswith(PHASE_PREFIX)]
+    if rows.empty:
+        raise ValueError("no train_step/ phases in this table: capture Trainer.train_step, and pass annotations=True to op_table")
+    out = pd.DataFrame({"phase": rows["name"].str.slice(len(PHASE_PREFIX)), "calls": rows["calls"],
+                        "cpu_ms_per_step": rows["cpu_total_us"] / rows["calls"] / 1e3})
+    if rows["device_total_us"].sum() > 0:
+        out["device_ms_per_step"] = rows["device_total_us"] / rows["calls"] / 1e3
+    key = "device_ms_per_step" if "device_ms_per_step" in out else "cpu_ms_per_step"
+    out["share"] = out[key] / out[key].sum()
+    order = {p: i for i, p in enumerate(("forward", "backward", "optimizer", "ema"))}
+    return out.sort_values("phase", key=lambda s: s.map(order)).reset_index(drop=True)
+
+
 _OP_COLUMNS = {
     "name": "key",
     "self_cpu_us": "self_cpu_time_total",
@@ -162,14 +184,19 @@ _OP_COLUMNS = {
 }
 
 
-def op_table(prof: profile, sort_by: str | None = None, top: int | None = None, group_by_input_shape: bool = False) -> pd.DataFrame:
+def op_table(prof: profile, sort_by: str | None = None, top: int | None = None, group_by_input_shape: bool = False,
+             annotations: bool = False) -> pd.DataFrame:
     """The profiler's ``key_averages()`` as a DataFrame (times in microseconds, memory in bytes).
 
     Columns: name, self/total CPU time, self/total device time, CPU/device memory (self and
     total), calls, and each op's share of the total self time. Sorted by self device time
-    when the trace has device activity, else by self CPU time.
+    when the trace has device activity, else by self CPU time. Step markers (``ProfilerStep#N``)
+    and the train_step phase labels are spans, not operators: they are left out unless
+    ``annotations=True`` (``step_phases`` reads the phases).
     """
     events = prof.key_averages(group_by_input_shape=group_by_input_shape)
+    if not annotations:
+        events = [e for e in events if not ANNOTATION.match(str(e.key))]
     rows = [{col: getattr(e, attr, 0) for col, attr in _OP_COLUMNS.items()} for e in events]
     if group_by_input_shape:
         for r, e in zip(rows, events):

@@ -128,7 +128,7 @@ def _cpu_op_breakdown(traces: dict[int, dict]) -> pd.DataFrame:
     rows = []
     for rank, trace in traces.items():
         events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
-                  and not str(e.get("name", "")).startswith("ProfilerStep")]
+                  and not str(e.get("name", "")).startswith(("ProfilerStep", "train_step/"))]  # spans, not operators
         by_thread: dict[tuple, list] = {}
         for e in events:
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)

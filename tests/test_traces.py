@@ -46,6 +46,22 @@ def test_op_table_has_the_seed_slides_columns_and_convolution_backward_on_top(cp
         profiling.op_table(cpu_capture.profiler, sort_by="speed")
 
 
+def test_the_step_is_split_into_labelled_phases_and_spans_are_not_operators(cpu_capture):
+    names = set(cpu_capture.op_table()["name"])
+    assert not any(n.startswith(("ProfilerStep#", "train_step/")) for n in names)  # spans, not operators
+    phases = profiling.step_phases(cpu_capture.op_table(annotations=True))
+    assert phases["phase"].tolist() == ["forward", "backward", "optimizer", "ema"]
+    assert (phases["calls"] == 3).all() and phases["share"].sum() == pytest.approx(1.0)
+    assert (phases["cpu_ms_per_step"] > 0).all()
+    # the phases nest inside the step: together they are at most the profiled step time
+    marks = [e for e in _load(cpu_capture.trace_path)["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+    step_ms = sum(e["dur"] for e in marks) / len(marks) / 1e3
+    assert phases["cpu_ms_per_step"].sum() <= step_ms * 1.01
+    assert not any(n.startswith("train_step/") for n in traces.analyze(cpu_capture.trace_dir, verbose=False).cpu_ops["name"])
+    with pytest.raises(ValueError, match="no train_step/ phases"):
+        profiling.step_phases(cpu_capture.op_table())
+
+
 def test_analyze_on_a_cpu_trace_returns_the_cpu_breakdown_and_the_notice(cpu_capture, capsys):
     report = traces.analyze(cpu_capture.trace_dir)
     assert not report.has_gpu and report.ranks == [0]
