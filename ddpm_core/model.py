@@ -315,6 +315,18 @@ class UNet(nn.Module):
                 m.attention = attention
         self.config["attention"] = attention
 
+    # Activation checkpointing (``TrainConfig(activation_checkpointing=True)``): each residual and
+    # attention block keeps only its inputs for backward and recomputes its insides there
+    # (torch.utils.checkpoint, non-reentrant; the dropout masks are replayed exactly).
+    activation_checkpointing: bool = False
+
+    def _block(self, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(module, *args, use_reentrant=False)
+        return module(*args)
+
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Predict the noise in ``x`` (B x C x H x W) at integer timesteps ``t`` (B,)."""
         if t.ndim == 0:
@@ -322,24 +334,25 @@ class UNet(nn.Module):
         temb = self.temb(timestep_embedding(t, self.base_channels))
         h = self.conv_in(x)
         hs = [h]
+        block = self._block
         for layers in self.down:
             if isinstance(layers[0], Downsample):
                 h = layers[0](h)
             else:
-                h = layers[0](h, temb)
+                h = block(layers[0], h, temb)
                 if len(layers) > 1:
-                    h = layers[1](h)
+                    h = block(layers[1], h)
             hs.append(h)
-        h = self.mid[0](h, temb)
-        h = self.mid[1](h)
-        h = self.mid[2](h, temb)
+        h = block(self.mid[0], h, temb)
+        h = block(self.mid[1], h)
+        h = block(self.mid[2], h, temb)
         for layers in self.up:
             if isinstance(layers[0], Upsample):
                 h = layers[0](h)
             else:
-                h = layers[0](torch.cat([h, hs.pop()], dim=1), temb)
+                h = block(layers[0], torch.cat([h, hs.pop()], dim=1), temb)
                 if len(layers) > 1:
-                    h = layers[1](h)
+                    h = block(layers[1], h)
         return self.conv_out(F.silu(self.norm_out(h)))
 
 

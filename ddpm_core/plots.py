@@ -473,3 +473,58 @@ def table_figure(df, *, label: str | None = None, title: str = "Summary") -> "pl
             cell.set_text_props(weight="bold")
     _title(ax, title, label)
     return fig
+
+
+# ------------------------------------------------------------------------------ memory (notebook 03b)
+def memory_bars(df, *, value: str, name: str, label: str | None = None, title: str = "", xlabel: str = "MiB",
+                fmt: str = "{:,.1f}") -> "plt.Figure":
+    """Horizontal bars of ``df[value]`` named by ``df[name]``, largest first (memory by kind, by block)."""
+    set_style()
+    df = df.sort_values(value, ascending=False)
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(df) + 1.6))
+    bars = ax.barh(df[name].astype(str), df[value])
+    ax.invert_yaxis()
+    _label_bars(ax, bars, fmt)
+    ax.set_xlabel(xlabel)
+    ax.margins(x=0.15)
+    _title(ax, title, label)
+    fig.tight_layout()
+    return fig
+
+
+def memory_budget(rows, *, label: str | None = None, title: str = "") -> "plt.Figure":
+    """Stacked bars: the fixed state and the saved activations of each configuration (MiB).
+
+    ``rows``: a DataFrame with ``config``, ``fixed_MiB`` and ``saved_MiB``."""
+    set_style()
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 1.8))
+    y = range(len(rows))
+    ax.barh(y, rows["fixed_MiB"], label="fixed state (weights, grads, Adam m and v, EMA)", color="C7")
+    bars = ax.barh(y, rows["saved_MiB"], left=rows["fixed_MiB"], label="saved for backward", color="C0")
+    for b, total in zip(bars, rows["fixed_MiB"] + rows["saved_MiB"]):
+        ax.annotate(f"{total:,.0f} MiB", (total, b.get_y() + b.get_height() / 2), xytext=(3, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    ax.set_yticks(list(y), rows["config"].astype(str))
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB")
+    ax.margins(x=0.2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, fontsize=8, frameon=False)
+    _title(ax, title, label)
+    fig.tight_layout()
+    return fig
+
+
+def memory_timeline(df, *, label: str | None = None, title: str = "") -> "plt.Figure":
+    """Bytes allocated after each allocator event of one step (``memory.cuda_timeline``), with the peak marked."""
+    set_style()
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    x = df["event"]
+    ax.plot(x, df["allocated"] / 2**20, lw=1.2, color="C0")
+    i = int(df["allocated"].idxmax())
+    ax.annotate(f"peak {df['allocated'].iloc[i] / 2**20:,.0f} MiB", (x.iloc[i], df["allocated"].iloc[i] / 2**20),
+                xytext=(10, -15), textcoords="offset points", fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.8))
+    ax.set_xlabel("allocator event (allocations and frees, in order)")
+    ax.set_ylabel("allocated (MiB)")
+    _title(ax, title, label)
+    fig.tight_layout()
+    return fig

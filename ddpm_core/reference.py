@@ -51,7 +51,7 @@ WORK = "_work"  # scratch inside the folder (runs, per-notebook results): never 
 NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_BUDGET_S on one H100
     "nb-00-01": ["00", "01"],  # 01 trains the paper's model for 4 minutes (TRAIN_SECONDS) and samples 1000 steps
     "nb-02": ["02"],
-    "nb-03-05": ["03", "04", "05"],  # 04 compiles three modes
+    "nb-03-05": ["03", "04", "05"],  # "03" includes 03b_memory; 04 compiles three modes
     "nb-06-08": ["06", "07", "08"],
     "nb-09": ["09"],  # seven compiled stages
     "nb-10": ["10"],
@@ -171,7 +171,7 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
 
         nb_path = NOTEBOOKS_DIR / f"{notebook}.ipynb"
         figures = declared_figures(nb_path) if nb_path.exists() else []
-    prefix = notebook[:2]
+    prefix = notebook.split("_")[0]  # "03", "03b"
     for folder in runs:
         m = meta(folder)
         ref_label = label(folder)

@@ -39,8 +39,10 @@ class NotebookRun:
 
 
 def list_notebooks(folder: Path = NOTEBOOKS_DIR) -> list[Path]:
-    """The numbered notebooks (``NN_name.ipynb``) in order."""
-    return sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
+    """The numbered notebooks (``NN_name.ipynb``, and ``NNx_name.ipynb`` for a lesson inserted after NN) in order."""
+    import re
+
+    return sorted(p for p in folder.glob("[0-9][0-9]*_*.ipynb") if re.match(r"^\d\d[a-z]?_", p.name))
 
 
 def declared_figures(notebook: Path) -> list[str]:

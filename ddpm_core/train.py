@@ -67,6 +67,7 @@ class TrainConfig:
     channels_last: bool = False
     fused_optimizer: bool = False
     cudnn_benchmark: bool = False  # let cuDNN time its algorithms for each conv shape once, keep the fastest
+    activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
     # data
     dataset: str = "auto"
     data_root: str | None = None  # None: $DDPM_DATA_DIR or <repo>/data
@@ -371,6 +372,7 @@ class Trainer:
         if cfg.dropout is not None:
             overrides["dropout"] = cfg.dropout
         model = preset(cfg.model, **overrides).to(self.device)
+        model.activation_checkpointing = cfg.activation_checkpointing
         self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
         model = model.to(memory_format=self.memory_format)
         self.model = model

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from ddpm_core import series
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -103,7 +105,7 @@ def test_a_notebook_run_and_saved_in_jupyterlab_leaves_git_status_clean(tmp_path
     # and the committed notebooks are already what the filter makes of them (as JupyterLab writes their metadata)
     import shutil
 
-    committed = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    committed = series.list_notebooks()
     copies = []
     for nb_path in committed:
         assert nbformat.read(nb_path, as_version=4).metadata.kernelspec.display_name == "Python 3 (ipykernel)", nb_path.name
