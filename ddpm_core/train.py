@@ -803,11 +803,19 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 # ------------------------------------------------------------------------------ command line
-def _parser() -> argparse.ArgumentParser:
+PRESET_CHOICES = ("baseline", "fast")
+
+
+def _parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The command line; with ``suppress_defaults`` the result holds only the options given."""
     p = argparse.ArgumentParser(
         prog="python -m ddpm_core.train",
         description="Train the DDPM (one process, or one per GPU/CPU worker under torchrun).",
+        argument_default=argparse.SUPPRESS if suppress_defaults else None,
     )
+    p.add_argument("--preset", choices=PRESET_CHOICES, default="baseline",
+                   help="baseline: the fields' defaults (the paper's plain fp32 step); fast: TrainConfig.fast(), the "
+                        "fastest configuration of the series. Options given on the command line win over either.")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -815,20 +823,21 @@ def _parser() -> argparse.ArgumentParser:
         args = typing.get_args(hint)
         base = next((a for a in args if a is not type(None)), hint)
         if base is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **({} if suppress_defaults else {"default": f.default}))
         else:
             conv = base if base in (int, float, str) else str
 
             def parse(s: str, conv=conv, optional=type(None) in args):
                 return None if optional and s.lower() == "none" else conv(s)
 
-            p.add_argument(flag, type=parse, default=f.default, metavar=base.__name__.upper(),
-                           help=f"default: {f.default}")
-    p.add_argument("--sample-grid", default=None, metavar="PNG",
-                   help="after training, write a grid of EMA samples to this PNG (rank 0)")
-    p.add_argument("--samples", type=int, default=64, help="images in the sample grid")
-    p.add_argument("--sample-steps", type=int, default=100,
-                   help="reverse steps for the grid (strided preview; 1000 for the full chain)")
+            p.add_argument(flag, type=parse, metavar=base.__name__.upper(), help=f"default: {f.default}",
+                           **({} if suppress_defaults else {"default": f.default}))
+    keep = {} if suppress_defaults else None
+    p.add_argument("--sample-grid", metavar="PNG", help="after training, write a grid of EMA samples to this PNG (rank 0)",
+                   **(keep if keep is not None else {"default": None}))
+    p.add_argument("--samples", type=int, help="images in the sample grid", **(keep if keep is not None else {"default": 64}))
+    p.add_argument("--sample-steps", type=int, help="reverse steps for the grid (strided preview; 1000 for the full chain)",
+                   **(keep if keep is not None else {"default": 100}))
     return p
 
 
@@ -861,10 +870,15 @@ def main(argv: list[str] | None = None) -> int:
     and exits 2 (no traceback); a run that diverges exits 1 with the same kind of line."""
     args = vars(_parser().parse_args(argv))
     grid, n_samples, sample_steps = args.pop("sample_grid"), args.pop("samples"), args.pop("sample_steps")
+    preset_name = args.pop("preset")
     from .data import DatasetError
 
     try:
-        cfg = TrainConfig(**args)
+        if preset_name == "fast":  # the options given on the command line win over the preset
+            given = vars(_parser(suppress_defaults=True).parse_args(argv))
+            cfg = TrainConfig.fast(**{k: v for k, v in given.items() if k in args})
+        else:
+            cfg = TrainConfig(**args)
         check_sample_args(grid, n_samples, sample_steps, cfg.timesteps)
         result = train(cfg)
     except (ValueError, TypeError, DatasetError) as e:

@@ -383,3 +383,22 @@ def test_the_fast_step_trains_the_same_function_as_the_baseline(tmp_path):
         torch.testing.assert_close(pf, pb, atol=1e-5, rtol=1e-4, msg=name)
     for pb, pf in zip(base.ema.model.parameters(), fast.ema.model.parameters()):
         torch.testing.assert_close(pf, pb, atol=1e-5, rtol=1e-4)
+
+
+def test_the_command_line_preset_fast_is_trainconfig_fast_with_given_options_winning(monkeypatch, tmp_path):
+    from ddpm_core import train as T
+
+    seen = []
+
+    def fake_train(cfg):
+        seen.append(cfg)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(T, "train", fake_train)
+    common = ["--model", "tiny", "--device", "cpu", "--out-dir", str(tmp_path / "run")]
+    assert T.main(["--preset", "fast", *common, "--precision", "fp32", "--no-channels-last"]) == 2
+    fast, expected = seen[-1], TrainConfig.fast(model="tiny", device="cpu", out_dir=str(tmp_path / "run"),
+                                                precision="fp32", channels_last=False)
+    assert fast == expected  # fp32 given explicitly wins, though it is the field's default
+    assert fast.attention == "sdpa" and fast.fused_optimizer and fast.loader == "device"
+    assert T.main(common) == 2 and seen[-1] == TrainConfig(model="tiny", device="cpu", out_dir=str(tmp_path / "run"))
