@@ -382,13 +382,25 @@ def describe_dataset(dataset: Dataset) -> str:
 
 
 def dataset_as_tensor(dataset: Dataset, progress: bool = True) -> torch.Tensor:
-    """All images of ``dataset`` as one N x 3 x H x W uint8 tensor (decodes a folder once)."""
+    """All images of ``dataset`` as one N x 3 x H x W uint8 tensor.
+
+    A folder of PNGs is decoded once per dataset object: the tensor is kept on the dataset, so
+    every device-resident loader made from it later (notebook 09 builds several) reuses it.
+    """
     if hasattr(dataset, "as_tensor"):
         return dataset.as_tensor()
+    cached = getattr(dataset, "_decoded", None)
+    if isinstance(cached, torch.Tensor) and len(cached) == len(dataset):
+        return cached
     from tqdm.auto import tqdm
 
     items = [dataset[i] for i in tqdm(range(len(dataset)), desc="decoding dataset", disable=not progress, leave=False)]
-    return torch.stack(items)
+    out = torch.stack(items)
+    try:
+        dataset._decoded = out
+    except AttributeError:  # a dataset class with __slots__: decode again next time
+        pass
+    return out
 
 
 # ------------------------------------------------------------------------------ sampling

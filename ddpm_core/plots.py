@@ -132,14 +132,21 @@ def throughput_bars(df, *, label: str | None = None, x: str = "variant", y: str 
 
 def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: str = "images_per_s",
                      memory: str = "peak_memory_gib", step_time: str = "median_ms",
-                     title: str = "Throughput, step time and memory vs batch size") -> "plt.Figure":
-    """Left: ``y`` against batch size (log2 axis) with peak memory on a second axis.
-    Right: time per step against batch size (when the frame has ``step_time``)."""
+                     title: str = "Throughput, step time and memory vs batch size", ideal: bool = False) -> "plt.Figure":
+    """Left: ``y`` against batch size (log2 axis) with peak memory on a second axis and, with
+    ``ideal``, the linear scaling from the smallest batch (dashed grey: what throughput would be if
+    a k-times bigger batch took no longer per step). Right: time per step against batch size."""
     set_style()
     panels = 2 if step_time in df else 1
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
     ax = axes[0][0]
+    df = df.sort_values(x)
     ax.plot(df[x], df[y], marker="o", color="C0", label="images / s")
+    if ideal and len(df) > 1:
+        x0, y0 = df[x].iloc[0], df[y].iloc[0]
+        ax.plot(df[x], y0 * df[x] / x0, ls=":", color="C7", label="ideal (linear from the smallest batch)")
+        ax.set_ylim(0, 1.15 * df[y].max())  # the ideal line leaves the chart where the measured one bends
+        ax.legend(loc="upper left", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("images / s", color="C0")

@@ -173,3 +173,22 @@ def test_forever_moves_to_the_next_epoch_when_one_ends(synthetic_folder):
     it = D.forever(loader)
     got = torch.cat([next(it) for _ in range(4)])
     assert torch.equal(got[:256], _epoch(loader, 0)) and torch.equal(got[256:], _epoch(loader, 1))
+
+
+def test_a_folder_dataset_is_decoded_once_for_every_device_resident_loader(synthetic_folder):
+    from ddpm_core.data import FolderImages, dataset_as_tensor, make_loader
+
+    class Counting(FolderImages):
+        reads = 0
+
+        def __getitem__(self, i):
+            Counting.reads += 1
+            return super().__getitem__(i)
+
+    ds = Counting(synthetic_folder)
+    first = dataset_as_tensor(ds, progress=False)
+    assert Counting.reads == len(ds)
+    make_loader(ds, 8, device="cpu", mode="device")
+    make_loader(ds, 16, device="cpu", mode="device")
+    assert Counting.reads == len(ds)  # was: one full decode per loader
+    assert dataset_as_tensor(ds) is first
