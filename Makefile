@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 # what JupyterLab adds when it runs and saves a notebook is stripped before git compares or commits.
 NBSTRIP := $(abspath $(VENV))/bin/nbstripout --keep-id --extra-keys metadata.language_info
 
-.PHONY: setup run notebook test lab cifar10 weights reference clean
+.PHONY: setup run notebook test lab cifar10 weights reference student grade clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: $(STAMP)           ## the test suite (CPU; GPU tests are skipped without a
 
 reference: $(STAMP)      ## the reference run on a GPU: gpu tests + every notebook in full mode -> data/reference/<gpu>/
 	$(PY) -m ddpm_core.reference run
+
+student: $(STAMP)        ## student copies of the notebooks, without the worked solutions -> student/
+	$(PY) -m ddpm_core.student
+
+grade: $(STAMP)          ## check a notebook's run (results rows, device labels, figures): make grade NB=03
+	$(PY) -m ddpm_core.grade $(NB)
 
 lab: $(STAMP)            ## open the series in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks/

@@ -168,3 +168,14 @@ def test_slug_and_parts():
     assert reference.PARTS[0] == "meta" and reference.PARTS[-1] == "pack"
     with pytest.raises(ValueError, match="unknown part"):
         reference.run(Path("/tmp/never"), smoke=True, parts=["nb-99"])
+
+
+@pytest.mark.slow
+def test_the_grader_passes_every_notebook_of_the_smoke_run(smoke_reference):
+    from ddpm_core import grade
+
+    out = smoke_reference[0]
+    for nb in NOTEBOOKS:
+        report = grade.grade(nb.stem, results=out / reference.WORK / "results", figures=out / "figures",
+                             executed=out / "notebooks" / nb.name)
+        assert report.ok, report.text()

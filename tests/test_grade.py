@@ -1,0 +1,87 @@
+"""The grader and the student copies: what an instructor runs."""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+
+from ddpm_core import grade, results, series, student
+
+
+def _good_run(tmp_path, notebook="03b_memory"):
+    res, figs = tmp_path / "results", tmp_path / "figures"
+    rows = [{"variant": v, "median_ms": 10.0, "images_per_s": 800.0, "device_name": "CPU (test)"}
+            for v in ("no checkpointing", "activation checkpointing")]
+    results.append(notebook, rows, path=res / f"{notebook}.csv")
+    figs.mkdir()
+    for name in series.declared_figures(series.NOTEBOOKS_DIR / f"{notebook}.ipynb"):
+        (figs / name).write_bytes(b"png")
+    return res, figs
+
+
+def test_a_complete_run_passes(tmp_path, capsys):
+    res, figs = _good_run(tmp_path)
+    assert grade.main(["03b", "--results", str(res), "--figures", str(figs)]) == 0
+    out = capsys.readouterr().out
+    assert "03b_memory: complete" in out and "row 'activation checkpointing' on CPU (test)" in out
+
+
+def test_a_broken_run_names_each_missing_piece(tmp_path, capsys):
+    res, figs = _good_run(tmp_path)
+    df = results.load(res / "03b_memory.csv")
+    df = df[df["variant"] != "activation checkpointing"]
+    df.loc[:, "device_name"] = ""
+    df.to_csv(res / "03b_memory.csv", index=False)
+    (figs / "03b_memory_budget.png").unlink()
+    assert grade.main(["03b_memory", "--results", str(res), "--figures", str(figs)]) == 1
+    out = capsys.readouterr().out
+    assert "no row whose variant matches '^activation checkpointing$'" in out
+    assert "row 'no checkpointing' has no device_name" in out
+    assert "03b_memory_budget.png was not written" in out
+
+
+def test_since_excludes_an_earlier_run_and_an_executed_error_is_reported(tmp_path, capsys):
+    res, figs = _good_run(tmp_path)
+    book = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1/0")])
+    book.cells[0].outputs = [nbformat.v4.new_output("error", ename="ZeroDivisionError", evalue="division by zero", traceback=[])]
+    executed = tmp_path / "03b_memory.ipynb"
+    executed.write_text(json.dumps(book))
+    assert grade.main(["03b", "--results", str(res), "--figures", str(figs), "--since", "2999-01-01T00:00:00",
+                       "--executed", str(executed)]) == 1
+    out = capsys.readouterr().out
+    assert "since 2999-01-01" in out and "older than 2999-01-01" in out and "ZeroDivisionError" in out
+
+
+def test_an_unknown_notebook_is_a_clear_error(capsys):
+    assert grade.main(["42"]) == 2
+    assert "no single notebook is '42'; give one of: 00_setup" in capsys.readouterr().err
+
+
+def test_every_measuring_notebook_has_expectations():
+    stems = {nb.stem for nb in series.list_notebooks()}
+    assert set(grade.EXPECTED) <= stems
+    assert stems - set(grade.EXPECTED) == {"00_setup", "01_build_the_ddpm"}
+
+
+def test_student_copies_drop_the_solutions_and_the_outputs(tmp_path):
+    with_solutions = [nb for nb in series.list_notebooks()
+                      if any(student.SOLUTION_TAG in c.metadata.get("tags", []) for c in nbformat.read(nb, 4).cells)]
+    assert len(with_solutions) >= 2
+    assert student.main(["--out", str(tmp_path / "student")]) == 0
+    for nb in series.list_notebooks():
+        orig, copy = nbformat.read(nb, 4), nbformat.read(tmp_path / "student" / nb.name, 4)
+        kept = [c.source for c in orig.cells if student.SOLUTION_TAG not in c.metadata.get("tags", [])]
+        assert [c.source for c in copy.cells] == kept
+        assert all(not c.get("outputs") for c in copy.cells if c.cell_type == "code")
+    assert student.main(["--out", str(series.NOTEBOOKS_DIR)]) == 2  # never over the notebooks themselves
+
+
+@pytest.mark.parametrize("nb", series.list_notebooks(), ids=lambda p: p.stem)
+def test_solutions_come_after_the_exercises(nb):
+    cells = nbformat.read(nb, 4).cells
+    sol = [i for i, c in enumerate(cells) if student.SOLUTION_TAG in c.metadata.get("tags", [])]
+    if sol:
+        ex = next(i for i, c in enumerate(cells) if "## Exercises" in c.source)
+        assert min(sol) > ex
