@@ -49,6 +49,7 @@ def test_notebook_is_committed_clean_and_follows_the_pattern(nb):
     assert len(params) == 1 and 'SMOKE = os.environ.get("DDPM_SMOKE") == "1"' in params[0].source
     first = book.cells[0].source
     assert first.startswith("# ") and "What you will learn" in first and "Run time" in first and "Figures" in first
+    assert "**Read more:** [" in first and "](https://" in first  # the docs and papers it relies on
     assert "env.show()" in "".join(c.source for c in code)  # the environment cell
     text = "\n".join(c.source for c in book.cells)
     for heading in ("## Summary", "## Takeaways", "## Exercises", "**Next:**"):
