@@ -895,7 +895,8 @@ def loader_timing(loader: Any, step: Callable[[torch.Tensor], Any], steps: int, 
     from .data import forever
 
     it = forever(loader) if hasattr(loader, "set_epoch") else iter(loader)
-    wait = compute = 0.0
+    waits: list[float] = []
+    computes: list[float] = []
     images = 0
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -906,9 +907,35 @@ def loader_timing(loader: Any, step: Callable[[torch.Tensor], Any], steps: int, 
         sync()
         t2 = time.perf_counter()
         if i >= warmup:
-            wait += t1 - t0
-            compute += t2 - t1
+            waits.append(1e3 * (t1 - t0))
+            computes.append(1e3 * (t2 - t1))
             images += x.shape[0]
+    wait, compute = sum(waits) / 1e3, sum(computes) / 1e3
     total = wait + compute
+
+    def q(v: list[float], k: int) -> float:
+        return statistics.quantiles(v, n=10, method="inclusive")[k] if len(v) > 1 else v[0]
+
     return {"data_wait_ms": 1e3 * wait / steps, "compute_ms": 1e3 * compute / steps,
-            "wait_share": wait / total if total else 0.0, "images_per_s": images / total if total else 0.0}
+            "wait_share": wait / total if total else 0.0, "images_per_s": images / total if total else 0.0,
+            "data_wait_p10_ms": q(waits, 0), "data_wait_p90_ms": q(waits, -1),
+            "compute_p10_ms": q(computes, 0), "compute_p90_ms": q(computes, -1)}
+
+
+def loader_throughput(loader: Any, batches: int, warmup: int = 2, device: torch.device | str | None = None) -> dict[str, float]:
+    """Images per second that ``loader`` delivers on its own (no training step): what the data path
+    could feed a step that took no time. Synchronized with the device after each batch."""
+    device = torch.device(device) if device is not None else getattr(loader, "device", torch.device("cpu"))
+    from .data import forever
+
+    it = forever(loader) if hasattr(loader, "set_epoch") else iter(loader)
+    times, images = [], 0
+    for i in range(warmup + batches):
+        t0 = time.perf_counter()
+        x = next(it)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            images += x.shape[0]
+    return {"loader_images_per_s": images / sum(times), "batch_ms": 1e3 * statistics.median(times)}
