@@ -156,6 +156,9 @@ def test_loader_timing_splits_waiting_from_computing():
     r = bench.loader_timing(SlowLoader(), lambda x: time.sleep(0.01), steps=5, warmup=1)
     assert r["data_wait_ms"] == pytest.approx(20, abs=5) and r["compute_ms"] == pytest.approx(10, abs=5)
     assert r["wait_share"] == pytest.approx(2 / 3, abs=0.1) and r["images_per_s"] == pytest.approx(4 / 0.03, rel=0.2)
+    assert r["data_wait_p10_ms"] <= r["data_wait_ms"] * 1.2 and r["data_wait_p90_ms"] >= r["data_wait_p10_ms"] >= 15
+    alone = bench.loader_throughput(SlowLoader(), batches=4, warmup=1)  # the loader without a step
+    assert alone["loader_images_per_s"] == pytest.approx(4 / 0.02, rel=0.25) and alone["batch_ms"] == pytest.approx(20, abs=6)
 
 
 # ------------------------------------------------------------------------------ GPU-path defects, caught on CPU
