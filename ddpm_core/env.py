@@ -19,7 +19,8 @@ def device_name(device: torch.device | str | None = None) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"CPU ({cpu}, {torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"CPU ({cpu}, {n} thread{'' if n == 1 else 's'})"
 
 
 def label(device: torch.device | str | None = None) -> str:

@@ -120,7 +120,9 @@ def capture(
 # start/stop markers, and, on a CUDA build of torch without a GPU, the failed GPU count. In
 # JupyterLab they land in a red stderr box that reads like an error.
 _HARMLESS_NATIVE = re.compile(r"USDT:.*profiler_(start|stop)|gpuGetDeviceCount failed with code 35|"
-                              r"cudaGetDeviceCount.*(35|no CUDA-capable device)")
+                              r"cudaGetDeviceCount.*(35|no CUDA-capable device)|"
+                              # profile_memory=True: blocks allocated before the capture have no allocation event
+                              r"Memory block of unknown size was allocated before the profiling started")
 
 
 @contextlib.contextmanager
@@ -151,7 +153,7 @@ def native_stderr_filtered() -> Iterator[None]:
 # Labels that mark spans of a step, not operators: the profiler's step markers and the phases
 # Trainer.train_step labels with record_function (forward, backward, optimizer, ema).
 PHASE_PREFIX = "train_step/"
-ANNOTATION = re.compile(r"^(ProfilerStep#|" + re.escape(PHASE_PREFIX) + ")")
+ANNOTATION = re.compile(r"^(ProfilerStep[#*]|" + re.escape(PHASE_PREFIX) + ")")  # key_averages names them "ProfilerStep*"
 
 
 def step_phases(table: pd.DataFrame) -> pd.DataFrame:

@@ -48,7 +48,7 @@ def test_op_table_has_the_seed_slides_columns_and_convolution_backward_on_top(cp
 
 def test_the_step_is_split_into_labelled_phases_and_spans_are_not_operators(cpu_capture):
     names = set(cpu_capture.op_table()["name"])
-    assert not any(n.startswith(("ProfilerStep#", "train_step/")) for n in names)  # spans, not operators
+    assert not any(n.startswith(("ProfilerStep", "train_step/")) for n in names)  # spans, not operators ("ProfilerStep*")
     phases = profiling.step_phases(cpu_capture.op_table(annotations=True))
     assert phases["phase"].tolist() == ["forward", "backward", "optimizer", "ema"]
     assert (phases["calls"] == 3).all() and phases["share"].sum() == pytest.approx(1.0)
