@@ -4,7 +4,9 @@
 
 Every rank times the same number of steps on its own fixed batch; rank 0 writes the global
 images/s to ``--out`` (JSON, atomically). With ``--trace-dir`` each rank also writes a profiler
-trace of a few steps (``rank<R>.pt.trace.json.gz``) for ``ddpm_core.traces.analyze``.
+trace of a few steps (``rank<R>.pt.trace.json.gz``) for ``ddpm_core.traces.analyze``. With
+``--grid-batch-sizes`` (and ``--grid-precisions``) the same process group also times every batch
+size in every precision, for notebook 08's training-time-vs-batch-size figure.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True, help="JSON file for the result (rank 0)")
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--grid-batch-sizes", type=int, nargs="+", default=None, metavar="B",
+                   help="also time every batch size per process in this list ...")
+    p.add_argument("--grid-precisions", nargs="+", default=None, metavar="P",
+                   help="... in each of these precisions (one trainer per precision); written under 'grid' in --out")
     args = p.parse_args(argv)
 
     cfg = TrainConfig(model=args.model, batch_size=args.batch_size, precision=args.precision, device=args.device,
@@ -63,8 +69,28 @@ def main(argv: list[str] | None = None) -> int:
             from .profiling import capture
 
             capture(t.train_step, x, out_dir=args.trace_dir, wait=1, warmup=1, active=2)
+        grid = []
+        if args.grid_batch_sizes:
+            for precision in args.grid_precisions or [args.precision]:
+                gt = t if precision == args.precision else build(
+                    TrainConfig(model=args.model, batch_size=max(args.grid_batch_sizes), precision=precision,
+                                device=args.device, dataset="synthetic"))
+                for b in args.grid_batch_sizes:
+                    xb = (torch.rand(b, 3, 32, 32, generator=g) * 2 - 1).to(t.device)
+                    for _ in range(args.warmup):
+                        gt.train_step(xb)
+                    sync()
+                    ts = []
+                    for _ in range(args.steps):
+                        start = time.perf_counter()
+                        gt.train_step(xb)
+                        sync()
+                        ts.append(1e3 * (time.perf_counter() - start))
+                    med = statistics.median(ts)
+                    grid.append({"batch_per_process": b, "precision": precision, "median_ms": med, "times_ms": ts,
+                                 "images_per_s": b * t.world_size / (med / 1e3)})
         if t.rank == 0:
-            result = {"world_size": t.world_size, "batch_per_process": args.batch_size,
+            result = {"grid": grid, "world_size": t.world_size, "batch_per_process": args.batch_size,
                       "global_batch": args.batch_size * t.world_size, "median_ms": median,
                       "images_per_s": args.batch_size * t.world_size / (median / 1e3),
                       "backend": dist.get_backend() if t.world_size > 1 else "none",

@@ -535,3 +535,25 @@ def memory_timeline(df, *, label: str | None = None, title: str = "") -> "plt.Fi
     _title(ax, title, label)
     fig.tight_layout()
     return fig
+
+
+def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
+                        title: str = "Training time per epoch vs batch size") -> "plt.Figure":
+    """Seconds per epoch of ``images`` images against the batch per process, one line per
+    (processes, precision): the seed project's figure, from measured images/s.
+
+    ``df``: rows with ``world_size``, ``precision``, ``batch_per_process`` and ``images_per_s``."""
+    set_style()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, ((world, precision), g) in enumerate(df.groupby(["world_size", "precision"], sort=True)):
+        g = g.sort_values("batch_per_process")
+        ax.plot(g["batch_per_process"], images / g["images_per_s"], marker="o", color=f"C{i}",
+                ls="-" if precision == "fp32" else "--", label=f"{world} process{'es' if world > 1 else ''}, {precision}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size per process")
+    ax.set_ylabel(f"seconds per epoch ({images:,} images)")
+    ax.legend(fontsize=8, loc="upper right")
+    _title(ax, title, label)
+    fig.tight_layout()
+    return fig

@@ -125,3 +125,20 @@ def test_a_killed_worker_is_restarted_and_training_resumes_without_losing_steps(
     assert clean.communicate(timeout=300)[0] and clean.returncode == 0
     a, b = _final_weights(tmp_path / "faulty"), _final_weights(tmp_path / "clean")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the restarted run ends exactly where an uninterrupted one does
+
+
+def test_ddp_bench_times_a_grid_of_batch_sizes_and_precisions(tmp_path):
+    import json
+
+    from ddpm_core import ddp_bench, plots
+
+    out = tmp_path / "grid.json"
+    assert ddp_bench.main(["--model", "tiny", "--device", "cpu", "--batch-size", "2", "--steps", "2", "--warmup", "1",
+                           "--out", str(out), "--grid-batch-sizes", "2", "4", "--grid-precisions", "fp32", "bf16"]) == 0
+    grid = json.loads(out.read_text())["grid"]
+    assert [(r["batch_per_process"], r["precision"]) for r in grid] == [(2, "fp32"), (4, "fp32"), (2, "bf16"), (4, "bf16")]
+    assert all(r["images_per_s"] > 0 and len(r["times_ms"]) == 2 for r in grid)
+    import pandas as pd
+
+    fig = plots.epoch_time_vs_batch(pd.DataFrame([{**r, "world_size": 1} for r in grid]), label="test")
+    assert len(fig.axes[0].lines) == 2  # one line per (processes, precision)
