@@ -55,15 +55,20 @@ def main(argv: list[str] | None = None) -> int:
             if t.world_size > 1:
                 dist.barrier()
 
-        for _ in range(args.warmup):
-            t.train_step(x)
-        sync()
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            t.train_step(x)
+        def timed(trainer, batch) -> list[float]:
+            """``args.warmup`` untimed steps, then ``args.steps`` steps, each synchronized on every rank (ms)."""
+            for _ in range(args.warmup):
+                trainer.train_step(batch)
             sync()
-            times.append(1e3 * (time.perf_counter() - start))
+            out = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                trainer.train_step(batch)
+                sync()
+                out.append(1e3 * (time.perf_counter() - start))
+            return out
+
+        times = timed(t, x)
         median = statistics.median(times)
         if args.trace_dir:
             from .profiling import capture
@@ -76,16 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                     TrainConfig(model=args.model, batch_size=max(args.grid_batch_sizes), precision=precision,
                                 device=args.device, dataset="synthetic"))
                 for b in args.grid_batch_sizes:
-                    xb = (torch.rand(b, 3, 32, 32, generator=g) * 2 - 1).to(t.device)
-                    for _ in range(args.warmup):
-                        gt.train_step(xb)
-                    sync()
-                    ts = []
-                    for _ in range(args.steps):
-                        start = time.perf_counter()
-                        gt.train_step(xb)
-                        sync()
-                        ts.append(1e3 * (time.perf_counter() - start))
+                    ts = timed(gt, (torch.rand(b, 3, 32, 32, generator=g) * 2 - 1).to(t.device))
                     med = statistics.median(ts)
                     grid.append({"batch_per_process": b, "precision": precision, "median_ms": med, "times_ms": ts,
                                  "images_per_s": b * t.world_size / (med / 1e3)})

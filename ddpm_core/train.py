@@ -676,6 +676,15 @@ def _init_distributed(cfg: TrainConfig) -> bool:
     return True
 
 
+def _prove_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write (and remove) a file in it; raises OSError if it cannot."""
+    import tempfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+        pass
+
+
 def check_out_dir(out_dir: str | os.PathLike) -> Path:
     """Create ``out_dir`` and prove it writable, before any training (the first checkpoint comes
     ``checkpoint_every`` steps later: a bad path must not cost those steps)."""
@@ -687,11 +696,7 @@ def check_out_dir(out_dir: str | os.PathLike) -> Path:
         raise ValueError(f"out_dir {p} is the checkpoints folder of a run, not the run's folder: training would start "
                          f"over in {p / 'checkpoints'}. Fix: out_dir={str(p.parent)!r} to resume that run.")
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        import tempfile
-
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-test-"):
-            pass
+        _prove_writable(p)
     except OSError as e:
         raise ValueError(f"cannot write to out_dir {p} ({e.strerror or e}). Fix: pass a folder you can write to "
                          f"(--out-dir / TrainConfig(out_dir=...)); nothing was trained yet.") from e
@@ -855,11 +860,7 @@ def check_sample_args(grid: str | None, n_samples: int, sample_steps: int, times
             raise ValueError(f"--sample-grid {grid!r} is a folder; name a file in it, e.g. {p / 'samples.png'}")
         parent = p.resolve().parent
         try:  # prove it writable now: the grid is written after all the training
-            import tempfile
-
-            parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=parent, prefix=".write-test-"):
-                pass
+            _prove_writable(parent)
         except OSError as e:
             raise ValueError(f"--sample-grid {grid!r}: cannot write into {parent} ({e.strerror or e}). "
                              f"Fix: a path in a folder you can write to.") from e
