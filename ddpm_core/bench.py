@@ -411,6 +411,15 @@ def _measurement(name: str, device: torch.device, batch_size: int, first_ms: flo
 SAVED_KIND = "saved for backward (CPU)"
 
 
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(an id of ``t``'s storage, its size in bytes): views of one storage share the key, so it counts once."""
+    try:
+        st = t.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse, functional wrappers)
+        return id(t), t.numel() * t.element_size()
+
+
 def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int | None, str]:
     """Bytes of the tensors one call of ``fn`` saves for its backward pass, and what that is.
 
@@ -427,11 +436,8 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tup
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not (t.is_leaf and t.requires_grad):
-            try:
-                st = t.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-            except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. sparse, functional wrappers)
-                seen[id(t)] = t.numel() * t.element_size()
+            key, nbytes = storage_key(t)
+            seen[key] = nbytes
         return t
 
     try:

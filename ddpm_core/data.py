@@ -16,6 +16,7 @@ every worker count and a resumed run see exactly the same images in the same ord
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -281,33 +282,28 @@ def make_synthetic(
     manifest = {"n": n, "seed": seed, "size": IMAGE_SIZE, "version": SYNTHETIC_VERSION}
     if _synthetic_complete(final, manifest):
         return final
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        lock = file_lock(final)  # one writer per dataset: other processes (DDP ranks) wait, then reuse it
-        lock.__enter__()
-    except OSError as e:
-        raise DatasetError(
-            f"cannot write the synthetic dataset under {final.parent}: {e}. Fix: point the data folder at a "
-            f"writable place with the environment variable DDPM_DATA_DIR or --data-root (TrainConfig.data_root)."
-        ) from e
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(file_lock(final))  # one writer per dataset: other processes (DDP ranks) wait, then reuse it
+        except OSError as e:
+            raise DatasetError(
+                f"cannot write the synthetic dataset under {final.parent}: {e}. Fix: point the data folder at a "
+                f"writable place with the environment variable DDPM_DATA_DIR or --data-root (TrainConfig.data_root)."
+            ) from e
         if _synthetic_complete(final, manifest):  # another process finished it while we waited
             return final
         _remove_abandoned_builds(final)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.{os.getpid()}."))
-        try:
-            rng = np.random.Generator(np.random.PCG64(seed))
-            for i in tqdm(range(n), desc=f"writing synthetic dataset ({n} PNGs)", disable=not progress, leave=False):
-                Image.fromarray(_render_synthetic(rng)).save(tmp / f"{i}.png", optimize=False)
-            (tmp / "MANIFEST.json").write_text(json.dumps(manifest))
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders: give the usual permissions
-            if final.exists():  # stale (another version) or incomplete, and we hold the lock: replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        lock.__exit__(None, None, None)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+        stack.callback(shutil.rmtree, tmp, ignore_errors=True)  # gone after the rename; a half build if it failed
+        rng = np.random.Generator(np.random.PCG64(seed))
+        for i in tqdm(range(n), desc=f"writing synthetic dataset ({n} PNGs)", disable=not progress, leave=False):
+            Image.fromarray(_render_synthetic(rng)).save(tmp / f"{i}.png", optimize=False)
+        (tmp / "MANIFEST.json").write_text(json.dumps(manifest))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders: give the usual permissions
+        if final.exists():  # stale (another version) or incomplete, and we hold the lock: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
     return final
 
 

@@ -17,12 +17,13 @@ event, so the rise through the forward pass, the peak and the fall through backw
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import pandas as pd
 import torch
 from torch import nn
+
+from .bench import _cuda_times, storage_key
 
 MiB = 2**20
 
@@ -57,14 +58,6 @@ def fixed_state(trainer: Any) -> pd.DataFrame:
     return df
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    try:
-        st = t.untyped_storage()
-        return st.data_ptr(), st.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensors without storage
-        return id(t), t.numel() * t.element_size()
-
-
 def saved_by_module(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> pd.DataFrame:
     """Run ``fn(*args)`` (one training step of ``model``) and attribute every tensor saved for
     backward to the innermost module of ``model`` that was running when it was saved.
@@ -94,7 +87,7 @@ def saved_by_module(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwar
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.is_leaf and t.requires_grad:
             return t
-        key, nbytes = _storage_key(t)
+        key, nbytes = storage_key(t)
         if key not in seen:
             seen[key] = None
             owner = stack[-1] if stack else model
@@ -207,29 +200,7 @@ def h2d_copy(batch: torch.Tensor, device: torch.device | str = "cuda", repeats: 
         raise RuntimeError("h2d_copy measures host-to-GPU copies: it needs a CUDA GPU")
     rows = []
     for name, src in (("pageable", batch.cpu().contiguous()), ("pinned", batch.cpu().contiguous().pin_memory())):
-        times = []
-        for _ in range(repeats):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            src.to(device, non_blocking=True)
-            e.record()
-            torch.cuda.synchronize(device)
-            times.append(s.elapsed_time(e))
-        ms = sorted(times)[len(times) // 2]
+        ms = sorted(_cuda_times(lambda: src.to(device, non_blocking=True), (), {}, repeats, device))[repeats // 2]
         nbytes = src.numel() * src.element_size()
         rows.append({"host memory": name, "bytes": nbytes, "ms": ms, "GB_per_s": nbytes / (ms / 1e3) / 1e9})
     return pd.DataFrame(rows)
-
-
-def time_ms(fn: Callable[..., Any], *args: Any, repeats: int = 3) -> float:
-    """Median wall time of ``fn(*args)`` in ms, synchronized on CUDA (a quick helper, not a benchmark)."""
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(*args)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]

@@ -167,16 +167,11 @@ def stream_command(cmd: list[str], env: dict | None = None, timeout: float | Non
     threading.Thread(target=pump, daemon=True).start()
 
     def stop_group() -> None:
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(grace)
-                # the leader is gone; its workers may not be: one more pass reaches them
-            except subprocess.TimeoutExpired:
-                continue
+        """SIGTERM to the whole group, 5 s to exit, then SIGKILL to whatever is left of it (workers too)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5.0)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
