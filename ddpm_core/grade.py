@@ -72,9 +72,9 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
 
     from .paths import figures_dir
     from .results import load, results_dir
-    from .series import declared_figures, list_notebooks
+    from .series import declared_figures, list_notebooks, select
 
-    matches = [nb for nb in list_notebooks() if nb.stem == notebook or nb.name.split("_")[0] == notebook]
+    matches = [nb for nb in select([notebook]) if nb.stem == notebook or nb.name.split("_")[0] == notebook]
     if len(matches) != 1:
         names = ", ".join(nb.stem for nb in list_notebooks())
         raise ValueError(f"no single notebook is {notebook!r}; give one of: {names} (or its number, e.g. 03b)")

@@ -45,6 +45,15 @@ def list_notebooks(folder: Path = NOTEBOOKS_DIR) -> list[Path]:
     return sorted(p for p in folder.glob("[0-9][0-9]*_*.ipynb") if re.match(r"^\d\d[a-z]?_", p.name))
 
 
+def select(only: list[str] | None, folder: Path = NOTEBOOKS_DIR) -> list[Path]:
+    """The notebooks named by ``only`` (all when empty): a number ("03", "03b") names exactly that
+    notebook, a longer name ("03_batch") the notebooks whose file name starts with it."""
+    def named(nb: Path, o: str) -> bool:
+        return nb.name.split("_")[0] == o or ("_" in o and nb.name.startswith(o))
+
+    return [nb for nb in list_notebooks(folder) if not only or any(named(nb, o) for o in only)]
+
+
 def declared_figures(notebook: Path) -> list[str]:
     """The figure file names a notebook declares in ``metadata["ddpm"]["figures"]``."""
     meta = json.loads(Path(notebook).read_text()).get("metadata", {})
@@ -98,7 +107,7 @@ def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddpm_core.series", description=__doc__.split("\n\n")[0])
-    p.add_argument("only", nargs="*", help="notebook number prefixes to run (default: all)")
+    p.add_argument("only", nargs="*", help="notebook numbers to run, e.g. 03 03b (default: all)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="force smoke mode")
     mode.add_argument("--full", action="store_true", help="force full mode (slow without a GPU)")
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         smoke = not torch.cuda.is_available()
         why = "no GPU found, so the series runs shrunk to finish in minutes" if smoke else "a GPU is present"
-    notebooks = [nb for nb in list_notebooks() if not args.only or any(nb.name.startswith(o) for o in args.only)]
+    notebooks = select(args.only)
     if not notebooks:
         print(f"no notebooks match {args.only} in {NOTEBOOKS_DIR}", file=sys.stderr)
         return 2

@@ -42,10 +42,10 @@ def strip_solutions(notebook: Path, out: Path) -> tuple[Path, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .series import list_notebooks
+    from .series import select
 
     p = argparse.ArgumentParser(prog="python -m ddpm_core.student", description=__doc__.split("\n\n")[0])
-    p.add_argument("only", nargs="*", help="notebook prefixes (default: all), e.g. 03 03b")
+    p.add_argument("only", nargs="*", help="notebook numbers (default: all), e.g. 03 03b")
     p.add_argument("--out", default=str(REPO_ROOT / "student"), help="where the student copies go (default: student/)")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --out is the notebooks folder itself: the copies would replace the notebooks with their solutions. "
               "Fix: pick another folder.", file=sys.stderr)
         return 2
-    chosen = [nb for nb in list_notebooks() if not args.only or any(nb.name.startswith(o) for o in args.only)]
+    chosen = select(args.only)
     if not chosen:
         print(f"error: no notebook matches {args.only}", file=sys.stderr)
         return 2

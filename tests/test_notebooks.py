@@ -135,3 +135,9 @@ def test_the_readme_and_each_notebook_state_the_same_measured_smoke_run_time():
         assert said, f"{nb.name}: the Run time line must state the measured smoke time"
         readme_cell = rows[nb.name].rstrip(" |").rsplit("|", 1)[1].strip()
         assert readme_cell.lstrip("~") == said.group(1), (nb.name, readme_cell, said.group(1))
+
+
+def test_a_notebook_number_selects_exactly_that_notebook():
+    assert [nb.stem for nb in series.select(["03"])] == ["03_batch_size"]  # not 03b too (make notebook NB=03)
+    assert [nb.stem for nb in series.select(["03b", "04_torch"])] == ["03b_memory", "04_torch_compile"]
+    assert series.select([]) == NOTEBOOKS
