@@ -468,14 +468,14 @@ class Loader:
 
     def __init__(self, dataset: Dataset, batch_size: int, device: torch.device, mode: str, *,
                  num_workers: int, pin_memory: bool, persistent_workers: bool,
-                 prefetch_factor: int | None, non_blocking: bool, sampler: EpochSampler):
+                 prefetch_factor: int | None, non_blocking: bool, sampler: EpochSampler, drop_last: bool = True):
         self.dataset, self.batch_size, self.device, self.mode = dataset, batch_size, device, mode
-        self.sampler, self.non_blocking = sampler, non_blocking
+        self.sampler, self.non_blocking, self.drop_last = sampler, non_blocking, drop_last
         self.loader = DataLoader(
             _Augmented(dataset, to_float=(mode == "float")),
             batch_size=batch_size,
             sampler=sampler,
-            drop_last=True,  # fixed batch shape: no recompiles, no odd last step
+            drop_last=drop_last,  # True (default): fixed batch shape, so no recompiles and no odd last step
             num_workers=num_workers,
             pin_memory=pin_memory,
             persistent_workers=persistent_workers and num_workers > 0,
@@ -490,7 +490,7 @@ class Loader:
         self.sampler.set_epoch(epoch, start_batch * self.batch_size)
 
     def __len__(self) -> int:
-        return self.sampler.per_rank // self.batch_size
+        return _batches(self.sampler.per_rank, self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for batch in self.loader:
@@ -501,16 +501,17 @@ class Loader:
 class DeviceLoader:
     """The whole uint8 dataset as one tensor on the device; shuffle, flip and normalize happen there."""
 
-    def __init__(self, images: torch.Tensor, batch_size: int, device: torch.device, sampler: EpochSampler):
+    def __init__(self, images: torch.Tensor, batch_size: int, device: torch.device, sampler: EpochSampler,
+                 drop_last: bool = True):
         self.images = images.to(device)
-        self.batch_size, self.device, self.sampler = batch_size, device, sampler
+        self.batch_size, self.device, self.sampler, self.drop_last = batch_size, device, sampler, drop_last
         self.mode = "device"
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch, start_batch * self.batch_size)
 
     def __len__(self) -> int:
-        return self.sampler.per_rank // self.batch_size
+        return _batches(self.sampler.per_rank, self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         idx, flips = self.sampler.epoch_plan()  # one small index copy per epoch
@@ -520,6 +521,11 @@ class DeviceLoader:
             x = self.images.index_select(0, idx[sl])
             x = torch.where(flips[sl, None, None, None], x.flip(-1), x)
             yield normalize(x)
+
+
+def _batches(n: int, batch_size: int, drop_last: bool) -> int:
+    """Batches in an epoch of ``n`` samples: the last, smaller one is dropped or kept."""
+    return n // batch_size if drop_last else -(-n // batch_size)
 
 
 def forever(loader: "Loader | DeviceLoader", start_epoch: int = 0) -> Iterator[torch.Tensor]:
@@ -547,6 +553,7 @@ def make_loader(
     rank: int = 0,
     world_size: int = 1,
     flip: bool = True,
+    drop_last: bool = True,
 ) -> Loader | DeviceLoader:
     """An epoch iterable of training batches (float32 in [-1, 1], on ``device``).
 
@@ -556,6 +563,8 @@ def make_loader(
         num_workers, pin_memory, persistent_workers, prefetch_factor: passed to DataLoader.
         non_blocking: asynchronous host-to-device copies (default: on when pin_memory is on).
         seed, rank, world_size: the shuffle, and this process's shard under DDP.
+        drop_last: drop the last, smaller batch of each epoch (default). Every batch then has one
+            shape: a compiled step never recompiles for it (notebook 04, Exercise 3 turns it off).
     """
     if mode not in LOADER_MODES:
         raise ValueError(f"loader mode must be one of {LOADER_MODES}, got {mode!r}")
@@ -573,7 +582,7 @@ def make_loader(
             f"of {batch_size}; lower batch_size or use a larger dataset"
         )
     if mode == "device":
-        return DeviceLoader(dataset_as_tensor(dataset), batch_size, device, sampler)
+        return DeviceLoader(dataset_as_tensor(dataset), batch_size, device, sampler, drop_last=drop_last)
     if pin_memory and device.type != "cuda":
         pin_memory = False  # pinning only helps host-to-GPU copies
     return Loader(
@@ -581,5 +590,5 @@ def make_loader(
         num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
         prefetch_factor=prefetch_factor,
         non_blocking=pin_memory if non_blocking is None else non_blocking,
-        sampler=sampler,
+        sampler=sampler, drop_last=drop_last,
     )

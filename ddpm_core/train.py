@@ -78,16 +78,19 @@ class TrainConfig:
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: int | None = None
+    drop_last: bool = True  # drop each epoch's last, smaller batch: one batch shape, so no recompiles
     # optimization
     batch_size: int = 128  # per process
     optimizer: str = "adam"
     lr: float = 2e-4
     warmup_steps: int = 5000
     grad_clip: float | None = 1.0
+    grad_scaler: bool = True  # fp16 only: scale the loss so small gradients do not underflow (False: see what breaks)
     ema_decay: float | None = 0.9999
     timesteps: int = 1000
     seed: int = 0
     steps: int = 1000
+    ddp_bucket_cap_mb: float | None = None  # DDP's gradient bucket size in MiB; None: DDP's default (25)
     max_seconds: float | None = None  # wall-clock budget of the loop: stop after the step that reaches it
     # run
     out_dir: str = "runs/default"
@@ -160,6 +163,8 @@ class TrainConfig:
             raise ValueError(f"max_seconds must be > 0 or None (no time limit), got {self.max_seconds}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) or None, got {self.ema_decay}")
+        if self.ddp_bucket_cap_mb is not None and self.ddp_bucket_cap_mb <= 0:
+            raise ValueError(f"ddp_bucket_cap_mb must be > 0 or None (DDP's default, 25 MiB), got {self.ddp_bucket_cap_mb}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip must be > 0 or None (no clipping), got {self.grad_clip}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -383,14 +388,15 @@ class Trainer:
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.net = DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None)
+            bucket = {} if cfg.ddp_bucket_cap_mb is None else {"bucket_cap_mb": cfg.ddp_bucket_cap_mb}
+            self.net = DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None, **bucket)
 
         self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.fused_optimizer)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16" and cfg.grad_scaler)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         # t and eps come from their own generator (seed + rank), saved in checkpoints, so a
         # resumed run draws exactly what the uninterrupted one would have drawn.
@@ -761,6 +767,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             dataset, cfg.batch_size, device=t.device, mode=cfg.loader, num_workers=cfg.num_workers,
             pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
             prefetch_factor=cfg.prefetch_factor, seed=cfg.seed, rank=t.rank, world_size=t.world_size,
+            drop_last=cfg.drop_last,
         )
         result = TrainResult(trainer=t, resumed_from=resumed, dataset=describe_dataset(dataset))
         pending: list[tuple[int, torch.Tensor]] = []

@@ -192,3 +192,20 @@ def test_a_folder_dataset_is_decoded_once_for_every_device_resident_loader(synth
     make_loader(ds, 16, device="cpu", mode="device")
     assert Counting.reads == len(ds)  # was: one full decode per loader
     assert dataset_as_tensor(ds) is first
+
+
+@pytest.mark.parametrize("mode", ["float", "device"])
+def test_drop_last_false_keeps_the_last_smaller_batch(mode):
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return torch.full((3, 4, 4), i, dtype=torch.uint8)
+
+    kept = D.make_loader(Images(), 4, mode=mode, drop_last=False)
+    dropped = D.make_loader(Images(), 4, mode=mode)
+    assert [len(b) for b in kept] == [4, 4, 2] and len(kept) == 3
+    assert [len(b) for b in dropped] == [4, 4] and len(dropped) == 2
+    kept.set_epoch(0, start_batch=2)  # resume at the last batch
+    assert [len(b) for b in kept] == [2]

@@ -402,3 +402,27 @@ def test_the_command_line_preset_fast_is_trainconfig_fast_with_given_options_win
     assert fast == expected  # fp32 given explicitly wins, though it is the field's default
     assert fast.attention == "sdpa" and fast.fused_optimizer and fast.loader == "device"
     assert T.main(common) == 2 and seen[-1] == TrainConfig(model="tiny", device="cpu", out_dir=str(tmp_path / "run"))
+
+
+def test_exercise_switches_reach_the_step(tmp_path, monkeypatch):
+    """The fields the exercises use instead of edits to the package: drop_last, grad_scaler, ddp_bucket_cap_mb."""
+    import torch.distributed as dist
+
+    from ddpm_core import train as T
+
+    cfg = tiny_config(tmp_path, drop_last=False, synthetic_size=20, batch_size=8, steps=3, checkpoint_every=100)
+    assert len(train(cfg).losses) == 3  # epochs of 3 batches (8, 8, 4): the short one is trained on
+    assert build(tiny_config(tmp_path, grad_scaler=False)).scaler.is_enabled() is False
+    with pytest.raises(ValueError, match="ddp_bucket_cap_mb must be > 0"):
+        tiny_config(tmp_path, ddp_bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="grad_scaler"):
+        tiny_config(tmp_path, grad_scaler="no")
+    # DDP receives the bucket size: a one-process group, with the trainer told it is one of two.
+    monkeypatch.setattr(T, "_dist_info", lambda: (0, 2))
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        t = build(tiny_config(tmp_path, ddp_bucket_cap_mb=5.0))
+        assert type(t.net).__name__ == "DistributedDataParallel" and t.net.bucket_bytes_cap == 5 * 1024 * 1024
+    finally:
+        dist.destroy_process_group()
