@@ -75,6 +75,42 @@ def temporary_env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+WIDGET_VIEW, WIDGET_STATE = "application/vnd.jupyter.widget-view+json", "application/vnd.jupyter.widget-state+json"
+
+
+def settle_progress_bars(nb) -> int:
+    """Give each tqdm progress bar of an executed notebook its final text.
+
+    A tqdm bar in a notebook is a widget; its output also carries a plain-text copy for viewers
+    that do not run widgets (GitHub, a terminal), and that copy is the bar as it was created:
+    "0%| | 0/40". The executed notebook stores every widget's final state in its metadata, so
+    the text is rebuilt from there ("training: 100%|##########| 40/40 [00:12<00:00, 3.2it/s]").
+    Returns the number of bars rewritten.
+    """
+    import html
+
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+
+    def model(ref: str) -> dict:
+        return state.get(ref.removeprefix("IPY_MODEL_"), {})
+
+    n = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            view = out.get("data", {}).get(WIDGET_VIEW)
+            box = model(view["model_id"]) if view else {}
+            parts = [model(c) for c in box.get("state", {}).get("children", [])] if box.get("model_name") == "HBoxModel" else []
+            if len(parts) != 3 or parts[1].get("model_name") != "FloatProgressModel":
+                continue
+            left, bar, right = (p.get("state", {}) for p in parts)
+            done = bar.get("value", 0) / bar["max"] if bar.get("max") else 0.0
+            filled = min(10, max(0, round(10 * done)))
+            text = f"{left.get('value', '')}|{'#' * filled}{' ' * (10 - filled)}|{right.get('value', '')}"
+            out["data"]["text/plain"] = html.unescape(text).replace("\u2007", " ")
+            n += 1
+    return n
+
+
 def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | None = None,
                  timeout: int = 1800, parameters: dict | None = None) -> NotebookRun:
     """Execute ``notebook`` into ``out_dir`` and check its declared figures were written.
@@ -98,11 +134,23 @@ def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | 
     except pm.PapermillExecutionError as e:
         raise NotebookFailed(f"{notebook.name}: cell {e.exec_count} raised {e.ename}: {e.evalue} "
                              f"(executed copy: {executed})") from e
+    finally:
+        _settle_file(executed)
     seconds = time.perf_counter() - start
     missing = [n for n in expected if not (figures / n).exists() or (figures / n).stat().st_mtime_ns == before[n]]
     if missing:
         raise NotebookFailed(f"{notebook.name} declares figures it did not write in {figures}: {', '.join(missing)}")
     return NotebookRun(notebook, executed, seconds, [figures / n for n in expected])
+
+
+def _settle_file(executed: Path) -> None:
+    """settle_progress_bars on an executed copy on disk (if it exists and has bars)."""
+    import nbformat
+
+    if executed.is_file():
+        nb = nbformat.read(executed, as_version=4)
+        if settle_progress_bars(nb):
+            nbformat.write(nb, executed)
 
 
 def main(argv: list[str] | None = None) -> int:

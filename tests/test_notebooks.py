@@ -141,3 +141,11 @@ def test_a_notebook_number_selects_exactly_that_notebook():
     assert [nb.stem for nb in series.select(["03"])] == ["03_batch_size"]  # not 03b too (make notebook NB=03)
     assert [nb.stem for nb in series.select(["03b", "04_torch"])] == ["03b_memory", "04_torch_compile"]
     assert series.select([]) == NOTEBOOKS
+
+
+def test_executed_copies_show_progress_bars_finished_not_at_zero(tmp_path):
+    """tqdm bars are widgets; their plain-text copy (GitHub, terminals) is rebuilt from the final state."""
+    nb = _notebook(tmp_path, "from tqdm.auto import tqdm\nfor _ in tqdm(range(7), desc='work'):\n    pass", [])
+    run = series.run_notebook(nb, tmp_path / "out", smoke=True, figures=tmp_path / "figs")
+    texts = [o["data"]["text/plain"] for o in nbformat.read(run.executed, 4).cells[0].outputs if "data" in o]
+    assert len(texts) == 1 and "100%" in texts[0] and "7/7" in texts[0] and "|##########|" in texts[0], texts
