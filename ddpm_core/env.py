@@ -57,6 +57,51 @@ def cpu_bf16() -> tuple[bool, str]:
                    "slower than fp32 here. On a GPU (Ampere or newer) bf16 runs on tensor cores.")
 
 
+MEMORY_CAP_ENV = "DDPM_GPU_MEMORY_GB"
+
+
+def memory_cap_gib() -> float | None:
+    """The GPU memory cap set with ``DDPM_GPU_MEMORY_GB`` (in GiB), or None.
+
+    It rehearses a smaller card on a bigger one: ``DDPM_GPU_MEMORY_GB=16`` makes an 80 GB GPU
+    behave like a 16 GB one (a T4, the free tier of hosted notebooks) for every notebook: the
+    allocator refuses more (``torch.cuda.set_per_process_memory_fraction``, applied by ``show``),
+    and everything that sizes a batch from the GPU's memory reads ``gpu_memory_gib``.
+    """
+    raw = os.environ.get(MEMORY_CAP_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        cap = float(raw)
+    except ValueError:
+        cap = float("nan")
+    if not cap > 0 or cap == float("inf"):
+        raise ValueError(f"{MEMORY_CAP_ENV}={raw!r} is not a memory size: set it to the GiB to allow, e.g. "
+                         f"{MEMORY_CAP_ENV}=16, or unset it to use the whole GPU.")
+    return cap
+
+
+def gpu_memory_gib(device: torch.device | str | None = None) -> float:
+    """The GPU memory this run may use, in GiB: the card's, or less where ``DDPM_GPU_MEMORY_GB`` caps it."""
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    cap = memory_cap_gib()
+    return total if cap is None else min(total, cap)
+
+
+def apply_memory_cap(device: torch.device | str) -> float | None:
+    """On a GPU, make the allocator refuse more than ``DDPM_GPU_MEMORY_GB``; returns the cap (GiB) or None."""
+    device = torch.device(device)
+    cap = memory_cap_gib()
+    if cap is None or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    return min(cap, total)
+
+
 def describe(device: torch.device | str | None = None) -> dict[str, str]:
     """Versions and device as a dict (printed by every notebook's environment cell)."""
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,7 +127,10 @@ def describe(device: torch.device | str | None = None) -> dict[str, str]:
     if device.type == "cuda":
         info["cudnn"] = str(torch.backends.cudnn.version())
         info["compute capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        info["gpu memory"] = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB"
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        cap = memory_cap_gib()
+        info["gpu memory"] = (f"{total:.1f} GiB" if cap is None or cap >= total else
+                              f"{cap:g} GiB of {total:.1f} GiB (capped by {MEMORY_CAP_ENV})")
     return info
 
 
@@ -94,6 +142,8 @@ def show(device: torch.device | str | None = None) -> tuple[torch.device, str]:
     from IPython.display import display
 
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    memory_cap_gib()  # a bad DDPM_GPU_MEMORY_GB is an error here, before any work
+    apply_memory_cap(device)
     text = label(device)
     print(text)
     display(pd.Series(describe(device), name="value").to_frame())

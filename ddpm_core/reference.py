@@ -288,7 +288,7 @@ def _git(*args: str) -> str:
 def _part_meta(out: Path, smoke: bool) -> None:
     import torch
 
-    from .env import device_name
+    from .env import device_name, memory_cap_gib
 
     cuda = torch.cuda.is_available()
     info: dict[str, Any] = {
@@ -306,6 +306,7 @@ def _part_meta(out: Path, smoke: bool) -> None:
     if cuda:
         props = torch.cuda.get_device_properties(0)
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["gpu_memory_cap_gib"] = memory_cap_gib()  # DDPM_GPU_MEMORY_GB: a smaller card rehearsed on this one
         info["compute_capability"] = f"{props.major}.{props.minor}"
         info["gpu_count"] = torch.cuda.device_count()
         smi = shutil.which("nvidia-smi")

@@ -116,14 +116,14 @@ class TrainConfig:
         compilation (no measurable gain in notebook 04 on a CPU, for 1-2 minutes of compiling).
         ``overrides`` win over all of it.
         """
-        from .env import cpu_bf16
+        from .env import cpu_bf16, gpu_memory_gib
 
         device = str(overrides.get("device", "auto"))
         gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         settings: dict[str, Any] = dict(attention="sdpa", channels_last=True, fused_optimizer=True,
                                         cudnn_benchmark=True, loader="device", num_workers=0)
         if gpu:
-            gib = torch.cuda.get_device_properties(torch.device(device if device != "auto" else "cuda")).total_memory / 2**30
+            gib = gpu_memory_gib(device if device != "auto" else "cuda")  # DDPM_GPU_MEMORY_GB caps it
             settings.update(precision="bf16", compile="reduce-overhead", batch_size=512 if gib >= 40 else 256 if gib >= 15 else 128)
         else:
             settings.update(precision="bf16" if cpu_bf16()[0] else "fp32", compile=None)

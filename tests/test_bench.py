@@ -327,3 +327,23 @@ def test_env_show_prints_the_label_and_returns_the_device(capsys):
 
     device, text = env.show("cpu")
     assert device == torch.device("cpu") and text == env.label("cpu") and text in capsys.readouterr().out
+
+
+def test_the_gpu_memory_cap_is_read_checked_and_used_for_sizing(monkeypatch):
+    """DDPM_GPU_MEMORY_GB (a 16 GB card rehearsed on an 80 GB one): parsed, refused when it is not a
+    size, and what TrainConfig.fast sizes its batch from. The allocator side is tested on a GPU."""
+    from types import SimpleNamespace
+
+    from ddpm_core import env
+    from ddpm_core.train import TrainConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.delenv(env.MEMORY_CAP_ENV, raising=False)
+    assert env.gpu_memory_gib("cuda") == 80 and TrainConfig.fast(device="cuda").batch_size == 512
+    monkeypatch.setenv(env.MEMORY_CAP_ENV, "16")
+    assert env.gpu_memory_gib("cuda") == 16 and TrainConfig.fast(device="cuda").batch_size == 256
+    assert env.apply_memory_cap("cpu") is None
+    for bad in ("sixteen", "0", "-4", "inf"):
+        monkeypatch.setenv(env.MEMORY_CAP_ENV, bad)
+        with pytest.raises(ValueError, match="DDPM_GPU_MEMORY_GB=.*e.g. DDPM_GPU_MEMORY_GB=16"):
+            env.show("cpu")

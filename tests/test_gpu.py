@@ -298,3 +298,20 @@ def test_compare_on_cuda_interleaves_an_eager_and_a_cuda_graph_step_and_reports_
     assert "CUDA-graph" in g.memory_kind and g.peak_memory_bytes > 0
     assert all(len(m.times_ms) == 6 and m.median_ms > 0 for m in c.measurements)
     assert "reserved (MiB)" in c.table().columns
+
+
+def test_a_16_gb_cap_makes_the_gpu_refuse_more_and_the_fast_preset_size_for_it(monkeypatch):
+    """DDPM_GPU_MEMORY_GB=16 rehearses a 16 GB card (a T4) on a bigger one: env.show applies it."""
+    from ddpm_core import env
+    from ddpm_core.train import TrainConfig
+
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if total < 24:
+        pytest.skip(f"this GPU has {total:.0f} GiB: nothing to cap")
+    monkeypatch.setenv(env.MEMORY_CAP_ENV, "16")
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
+    env.show("cuda")
+    assert env.gpu_memory_gib("cuda") == 16 and TrainConfig.fast(device="cuda").batch_size == 256
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(int(20 * 2**30), dtype=torch.uint8, device="cuda")
+    torch.empty(int(8 * 2**30), dtype=torch.uint8, device="cuda")  # under the cap: fine
