@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", required=True, help="JSON file for the result (rank 0)")
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--ddp-bucket-cap-mb", type=float, default=None, help="DDP's gradient bucket size (default: DDP's, 25 MiB)")
     p.add_argument("--grid-batch-sizes", type=int, nargs="+", default=None, metavar="B",
                    help="also time every batch size per process in this list ...")
     p.add_argument("--grid-precisions", nargs="+", default=None, metavar="P",
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     cfg = TrainConfig(model=args.model, batch_size=args.batch_size, precision=args.precision, device=args.device,
-                      dataset="synthetic")
+                      dataset="synthetic", ddp_bucket_cap_mb=args.ddp_bucket_cap_mb)
     started = _init_distributed(cfg)
     try:
         t = build(cfg)
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                       "backend": dist.get_backend() if t.world_size > 1 else "none",
                       "device_name": device_name(t.device), "torch_version": torch.__version__,
                       "model": args.model, "precision": args.precision, "times_ms": times,
-                      "threads_per_process": torch.get_num_threads()}
+                      "threads_per_process": torch.get_num_threads(),
+                      "ddp_bucket_cap_mb": t.net.bucket_bytes_cap / 2**20 if t.world_size > 1 else None}
             atomic_write_text(args.out, json.dumps(result, indent=1))
             print(f"world {t.world_size}: {median:.1f} ms/step, {result['images_per_s']:.1f} img/s", flush=True)
     finally:

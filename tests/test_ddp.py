@@ -134,10 +134,12 @@ def test_ddp_bench_times_a_grid_of_batch_sizes_and_precisions(tmp_path):
 
     out = tmp_path / "grid.json"
     assert ddp_bench.main(["--model", "tiny", "--device", "cpu", "--batch-size", "2", "--steps", "2", "--warmup", "1",
-                           "--out", str(out), "--grid-batch-sizes", "2", "4", "--grid-precisions", "fp32", "bf16"]) == 0
+                           "--out", str(out), "--grid-batch-sizes", "2", "4", "--grid-precisions", "fp32", "bf16",
+                           "--ddp-bucket-cap-mb", "5"]) == 0  # one process: no DDP, so no buckets to report
     grid = json.loads(out.read_text())["grid"]
     assert [(r["batch_per_process"], r["precision"]) for r in grid] == [(2, "fp32"), (4, "fp32"), (2, "bf16"), (4, "bf16")]
     assert all(r["images_per_s"] > 0 and len(r["times_ms"]) == 2 for r in grid)
+    assert json.loads(out.read_text())["ddp_bucket_cap_mb"] is None
     import pandas as pd
 
     fig = plots.epoch_time_vs_batch(pd.DataFrame([{**r, "world_size": 1} for r in grid]), label="test")
