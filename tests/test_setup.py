@@ -115,3 +115,44 @@ def test_a_notebook_run_and_saved_in_jupyterlab_leaves_git_status_clean(tmp_path
     subprocess.run(_nbstrip_command().split() + [str(c) for c in copies], check=True)
     for nb_path, copy in zip(committed, copies):
         assert copy.read_text() == nb_path.read_text(), f"{nb_path.name} is not in the form the git filter writes"
+
+
+def test_the_save_hook_clears_git_status_for_output_only_changes_and_leaves_real_ones(tmp_path):
+    """git reports a notebook whose size changed as modified without running the filter; the Jupyter
+    post-save hook that make setup registers (ddpm_core.lab) refreshes the index when the filtered
+    notebook is unchanged, and stays away from real changes and from what the user staged."""
+    import json
+    import subprocess
+
+    import nbformat
+
+    from ddpm_core.lab import refresh_git_index
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com"), git("config", "user.name", "t")
+    git("config", "filter.nbstripout.clean", _nbstrip_command()), git("config", "filter.nbstripout.smudge", "cat")
+    (tmp_path / ".gitattributes").write_text((ROOT / ".gitattributes").read_text())
+    (tmp_path / "notebooks").mkdir()
+    path = tmp_path / "notebooks" / "00_setup.ipynb"
+    path.write_text((ROOT / "notebooks" / "00_setup.ipynb").read_text())
+    git("add", "-A"), git("commit", "-qm", "start")
+
+    nb = nbformat.read(path, as_version=4)
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    code.outputs, code.execution_count = [nbformat.v4.new_output("stream", name="stdout", text="ran\n")], 3
+    nbformat.write(nb, path)  # what a save in JupyterLab writes: the same notebook, with outputs
+    assert git("status", "--porcelain") != ""  # git's size shortcut: "modified" without a look
+    assert refresh_git_index(None, str(path)) is True
+    assert git("status", "--porcelain") == "" and "ran" in path.read_text()  # clean, and the outputs are still on disk
+
+    code.source += "\n# a real change"
+    nbformat.write(nb, path)
+    assert refresh_git_index(None, str(path)) is False
+    assert git("status", "--porcelain").strip() == "M notebooks/00_setup.ipynb" and git("diff", "--cached") == ""
+    assert refresh_git_index(None, str(tmp_path / "notes.txt")) is False  # not a notebook
+    hook = json.loads((ROOT / "jupyter" / "jupyter_server_config.d" / "ddpm_core.json").read_text())
+    assert hook["ContentsManager"]["post_save_hook"] == "ddpm_core.lab.refresh_git_index"
+    assert "jupyter_server_config.d/ddpm_core.json" in (ROOT / "Makefile").read_text()
