@@ -9,14 +9,14 @@ NBSTRIP := $(abspath $(VENV))/bin/nbstripout --keep-id --extra-keys metadata.lan
 
 .PHONY: setup run notebook test lab cifar10 weights reference student grade clean
 
-$(STAMP): pyproject.toml constraints.txt jupyter/jupyter_server_config.d/ddpm_core.json
+$(STAMP): pyproject.toml constraints.txt jupyter/jupyter_server_config.json
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -c constraints.txt -e ".[dev]"
 	$(PY) -c "import torch, torchvision, ddpm_core; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
 	-git config filter.nbstripout.clean "$(NBSTRIP)" && git config filter.nbstripout.smudge cat
-	mkdir -p $(VENV)/etc/jupyter/jupyter_server_config.d   # JupyterLab's save hook: see ddpm_core/lab.py
-	cp jupyter/jupyter_server_config.d/ddpm_core.json $(VENV)/etc/jupyter/jupyter_server_config.d/
+	mkdir -p $(VENV)/etc/jupyter   # JupyterLab's save hook, for servers of this environment: see ddpm_core/lab.py
+	cp jupyter/jupyter_server_config.json $(VENV)/etc/jupyter/jupyter_server_config.json
 	touch $(STAMP)
 
 setup: $(STAMP)          ## create .venv and install the project with its dev tools

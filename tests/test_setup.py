@@ -153,6 +153,6 @@ def test_the_save_hook_clears_git_status_for_output_only_changes_and_leaves_real
     assert refresh_git_index(None, str(path)) is False
     assert git("status", "--porcelain").strip() == "M notebooks/00_setup.ipynb" and git("diff", "--cached") == ""
     assert refresh_git_index(None, str(tmp_path / "notes.txt")) is False  # not a notebook
-    hook = json.loads((ROOT / "jupyter" / "jupyter_server_config.d" / "ddpm_core.json").read_text())
+    hook = json.loads((ROOT / "jupyter" / "jupyter_server_config.json").read_text())
     assert hook["ContentsManager"]["post_save_hook"] == "ddpm_core.lab.refresh_git_index"
-    assert "jupyter_server_config.d/ddpm_core.json" in (ROOT / "Makefile").read_text()
+    assert "cp jupyter/jupyter_server_config.json $(VENV)/etc/jupyter/" in (ROOT / "Makefile").read_text()
