@@ -1,7 +1,7 @@
 """The reference run: every notebook in full mode on a real GPU, committed under ``data/reference/<gpu>/``.
 
     make reference                               # = python -m ddpm_core.reference run
-    python -m ddpm_core.reference run --parts nb-03-05     # one part (each fits an 8-minute command)
+    python -m ddpm_core.reference run --parts nb-04        # one part (each fits an 8-minute command)
     python -m ddpm_core.reference pack           # results.csv, trimmed traces, one archive (<= 15 MB)
     python -m ddpm_core.reference unpack data/reference/h100-80gb-hbm3.tar.gz
 
@@ -51,8 +51,10 @@ WORK = "_work"  # scratch inside the folder (runs, per-notebook results): never 
 NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_BUDGET_S on one H100
     "nb-00-01": ["00", "01"],  # 01 trains the paper's model for 4 minutes (TRAIN_SECONDS) and samples 1000 steps
     "nb-02": ["02"],
-    "nb-03-05": ["03", "04", "05"],  # "03" includes 03b_memory; 04 compiles three modes
-    "nb-06-08": ["06", "07", "08"],
+    "nb-03": ["03"],  # "03" includes 03b_memory (and its largest-batch searches)
+    "nb-04": ["04"],  # compiles three modes, then its solutions compile more (CUDA graphs at two batches, max-autotune)
+    "nb-05-06": ["05", "06"],
+    "nb-07-08": ["07", "08"],  # 07 compiles its step
     "nb-09": ["09"],  # seven compiled stages
     "nb-10": ["10"],
 }

@@ -149,3 +149,30 @@ def test_executed_copies_show_progress_bars_finished_not_at_zero(tmp_path):
     run = series.run_notebook(nb, tmp_path / "out", smoke=True, figures=tmp_path / "figs")
     texts = [o["data"]["text/plain"] for o in nbformat.read(run.executed, 4).cells[0].outputs if "data" in o]
     assert len(texts) == 1 and "100%" in texts[0] and "7/7" in texts[0] and "|##########|" in texts[0], texts
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_exercise_has_a_worked_solution_that_student_copies_drop(nb, tmp_path):
+    """Each numbered exercise has a "**Exercise N.**" cell and code, all tagged ``solution`` and after the
+    exercises; no exercise asks to edit the package; make student drops exactly the solution cells."""
+    import re
+
+    from ddpm_core.student import SOLUTION_TAG, strip_solutions
+
+    book = nbformat.read(nb, as_version=4)
+    at = next(i for i, c in enumerate(book.cells) if c.cell_type == "markdown" and "## Exercises" in c.source)
+    listing = book.cells[at].source.split("## Exercises", 1)[1].split("**Next:**")[0]
+    numbers = [int(n) for n in re.findall(r"^(\d+)\. ", listing, flags=re.M)]
+    assert numbers == list(range(1, len(numbers) + 1)) and numbers, listing
+    assert "ddpm_core/" not in listing, "an exercise asks to edit the package: give it a TrainConfig field or argument"
+    solutions = [(i, c) for i, c in enumerate(book.cells) if SOLUTION_TAG in c.metadata.get("tags", [])]
+    assert all(i > at for i, _ in solutions), "solution cells go after the exercises"
+    for n in numbers:
+        where = [i for i, c in solutions if c.cell_type == "markdown" and c.source.lstrip().startswith(f"**Exercise {n}.**")
+                 or c.cell_type == "markdown" and f"\n**Exercise {n}.**" in c.source]
+        assert where, f"Exercise {n} has no solution cell starting with '**Exercise {n}.**' tagged {SOLUTION_TAG!r}"
+        after = [c for i, c in solutions if i > where[0]]
+        assert after and after[0].cell_type == "code", f"Exercise {n}: its solution has no code cell right after it"
+    out, removed = strip_solutions(nb, tmp_path / nb.name)
+    assert removed == len(solutions)
+    assert not [c for c in nbformat.read(out, 4).cells if SOLUTION_TAG in c.metadata.get("tags", [])]
