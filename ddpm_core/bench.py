@@ -614,8 +614,8 @@ class Comparison:
         if not ties:
             return f"**{best.name}** is the fastest, and its range separates from every other variant's."
         if self.noise.noisy:
-            return f"**{best.name}** had the highest median, but the run was too noisy to call a winner."
-        return (f"**{best.name}** had the highest median, but it cannot be told apart from "
+            return f"**{best.name}** had the highest median throughput (img/s), but the run was too noisy to call a winner."
+        return (f"**{best.name}** had the highest median throughput (img/s), but it cannot be told apart from "
                 + ", ".join(f"**{m.name}**" for m in ties) + " at this noise level.")
 
     def table(self) -> "pd.DataFrame":

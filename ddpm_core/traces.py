@@ -362,9 +362,11 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
     the first of each trace, rank 0).
 
     Returns the ``top`` rows by absolute change in time, with HTA's columns renamed for reading:
-    ``calls before/after``, ``time before/after (us)``, ``time change (us)`` and ``change``
-    ("+" new, "-" gone, "=" same count, ">"/"<" more/fewer calls). ``gpu`` None: kernels when both
-    traces have GPU kernels, operators otherwise.
+    ``calls before/after``, ``time before/after (us)``, ``time change (us)`` and ``change``: "appeared"
+    (no calls before), "vanished" (no calls after), "more calls", "fewer calls" or "same calls".
+    (HTA's own code, kept as ``hta code``, is only the sign of the count change: "+" for more calls,
+    whether or not the row is new.) ``gpu`` None: kernels when both traces have GPU kernels,
+    operators otherwise.
     """
     from hta.trace_diff import DeviceType, TraceDiff
 
@@ -380,7 +382,10 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
     df = df.rename(columns={"Control_counts": "calls before", "Test_counts": "calls after",
                             "Control_total_duration": "time before (us)", "Test_total_duration": "time after (us)",
                             "diff_counts": "calls change", "diff_duration": "time change (us)",
-                            "counts_change_categories": "change"})
+                            "counts_change_categories": "hta code"})
+    df["change"] = ["appeared" if before == 0 else "vanished" if after == 0 else
+                    "more calls" if after > before else "fewer calls" if after < before else "same calls"
+                    for before, after in zip(df["calls before"], df["calls after"])]
     if not gpu:  # CPU: the ATen operators themselves; wrappers (autograd nodes, compiled regions) nest them
         df = df[df.index.astype(str).str.startswith("aten::")]
     df = df.reindex(df["time change (us)"].abs().sort_values(ascending=False).index).head(top)
