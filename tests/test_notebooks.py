@@ -176,3 +176,14 @@ def test_every_exercise_has_a_worked_solution_that_student_copies_drop(nb, tmp_p
     out, removed = strip_solutions(nb, tmp_path / nb.name)
     assert removed == len(solutions)
     assert not [c for c in nbformat.read(out, 4).cells if SOLUTION_TAG in c.metadata.get("tags", [])]
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_code_cell_compiles(nb):
+    """A syntax error (a quote escaped once too often in a rendered sentence) fails here in milliseconds,
+    not ten minutes into the smoke run."""
+    book = nbformat.read(nb, as_version=4)
+    for i, cell in enumerate(book.cells):
+        if cell.cell_type == "code":
+            source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+            compile(source, f"{nb.name}, cell {i}", "exec")
