@@ -94,12 +94,12 @@ def gpu_memory_gib(device: torch.device | str | None = None) -> float:
 def apply_memory_cap(device: torch.device | str) -> float | None:
     """On a GPU, make the allocator refuse more than ``DDPM_GPU_MEMORY_GB``; returns the cap (GiB) or None."""
     device = torch.device(device)
-    cap = memory_cap_gib()
-    if cap is None or device.type != "cuda":
+    if memory_cap_gib() is None or device.type != "cuda":
         return None
+    usable = gpu_memory_gib(device)
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-    return min(cap, total)
+    torch.cuda.set_per_process_memory_fraction(usable / total, device)
+    return usable
 
 
 def describe(device: torch.device | str | None = None) -> dict[str, str]:
@@ -127,10 +127,9 @@ def describe(device: torch.device | str | None = None) -> dict[str, str]:
     if device.type == "cuda":
         info["cudnn"] = str(torch.backends.cudnn.version())
         info["compute capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        cap = memory_cap_gib()
-        info["gpu memory"] = (f"{total:.1f} GiB" if cap is None or cap >= total else
-                              f"{cap:g} GiB of {total:.1f} GiB (capped by {MEMORY_CAP_ENV})")
+        total, usable = torch.cuda.get_device_properties(device).total_memory / 2**30, gpu_memory_gib(device)
+        info["gpu memory"] = (f"{total:.1f} GiB" if usable >= total else
+                              f"{usable:g} GiB of {total:.1f} GiB (capped by {MEMORY_CAP_ENV})")
     return info
 
 
@@ -142,8 +141,7 @@ def show(device: torch.device | str | None = None) -> tuple[torch.device, str]:
     from IPython.display import display
 
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    memory_cap_gib()  # a bad DDPM_GPU_MEMORY_GB is an error here, before any work
-    apply_memory_cap(device)
+    apply_memory_cap(device)  # a bad DDPM_GPU_MEMORY_GB is an error here, before any work
     text = label(device)
     print(text)
     display(pd.Series(describe(device), name="value").to_frame())
