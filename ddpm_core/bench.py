@@ -16,7 +16,7 @@ import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -67,6 +67,43 @@ _DEVICE_PATTERNS = [
 ]
 
 
+def add_peak(key: str, pattern: str, *, fp32: float, tf32: float | None, bf16: float | None, fp16: float | None,
+             source: str) -> None:
+    """Teach this Python session the peaks of a GPU that ``PEAK_TFLOPS`` lacks, without editing the package.
+
+    ``key`` names the row ("L40S"); ``pattern`` is a regular expression that the name
+    ``torch.cuda.get_device_name()`` returns must match ("L40S"); the rates are the datasheet's
+    **dense** TFLOP/s (half of any "with sparsity" figure), None for a mode the GPU does not have;
+    ``source`` says where they come from (a datasheet URL). The new pattern is tried before the
+    built-in ones, so a pattern such as "A10" cannot shadow it. Everything is checked before
+    anything changes. To make the row permanent, add it to ``PEAK_TFLOPS`` with its source.
+    """
+    rates = {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": fp16}
+    problems = []
+    if not isinstance(key, str) or not key.strip():
+        problems.append(f"key must name the GPU, e.g. 'L40S'; got {key!r}")
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError) as e:
+        problems.append(f"pattern {pattern!r} is not a regular expression ({e})")
+    for name, v in rates.items():
+        if v is None and name != "fp32":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e5:
+            problems.append(f"{name} must be a dense peak in TFLOP/s (a positive number"
+                            f"{'' if name == 'fp32' else ', or None where the GPU has no such mode'}); got {v!r}")
+    if not isinstance(source, str) or not source.strip():
+        problems.append("source must say where the figures come from (the datasheet's URL): MFU is only as good as its peak")
+    if problems:
+        raise ValueError("add_peak: " + "; ".join(problems))
+    PEAK_TFLOPS[key] = {k: (None if v is None else float(v)) for k, v in rates.items()}
+    _DEVICE_PATTERNS[:] = [(pattern, key)] + [(p, k) for p, k in _DEVICE_PATTERNS if k != key]
+    ADDED_PEAK_SOURCES[key] = source
+
+
+ADDED_PEAK_SOURCES: dict[str, str] = {}  # rows add_peak added in this session, and where their figures come from
+
+
 @dataclass(frozen=True)
 class Peak:
     """A peak FLOP/s figure and what it is: MFU always says which peak it divides by."""
@@ -97,7 +134,8 @@ def peak_for_name(name: str, precision: str) -> tuple[Peak | None, str]:
     """Like ``peak_for`` but from a device name such as "NVIDIA H100 80GB HBM3"."""
     key = next((k for pat, k in _DEVICE_PATTERNS if re.search(pat, name)), None)
     if key is None:
-        return None, f"MFU left out: {name!r} is not in ddpm_core.bench.PEAK_TFLOPS (add its datasheet figures)"
+        return None, (f"MFU left out: {name!r} is not in ddpm_core.bench.PEAK_TFLOPS (give it its dense datasheet "
+                      "figures with bench.add_peak(...), notebook 00's Exercise 3)")
     value = PEAK_TFLOPS[key].get(precision)
     if value is None:
         return None, f"MFU left out: {key} has no {precision} tensor-core mode"
@@ -766,7 +804,21 @@ def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.Dat
         })
         if m.reserved_bytes is not None:  # CUDA: what the caching allocator held, beside the live-tensor peak
             rows[-1]["reserved (MiB)"] = round(m.reserved_bytes / 2**20)
-    return pd.DataFrame(rows)
+    return readable(pd.DataFrame(rows), drop_empty=("MFU vs bf16 peak",))
+
+
+NOT_AVAILABLE = "n/a"
+
+
+def readable(df: "pd.DataFrame", *, drop_empty: Sequence[str] = (), na: str = NOT_AVAILABLE) -> "pd.DataFrame":
+    """``df`` as a reader should see it: the columns named in ``drop_empty`` left out where no row has a value
+    (a CPU has no bf16 peak, so that column would be a column of blanks), and every other missing cell shown as
+    ``na`` instead of pandas' ``None``/``NaN``. Columns with no missing cell keep their dtype."""
+    df = df.drop(columns=[c for c in drop_empty if c in df and df[c].isna().all()])
+    for c in df.columns:
+        if df[c].isna().any():
+            df[c] = df[c].astype(object).where(df[c].notna(), na)
+    return df
 
 
 def is_out_of_memory(err: BaseException) -> bool:

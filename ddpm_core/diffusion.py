@@ -126,7 +126,7 @@ class GaussianDiffusion(nn.Module):
         return F.mse_loss(model(x_t, t).float(), noise.float())
 
     # ----------------------------------------------------------------------------- reverse process
-    def _strided_schedule(self, steps: int, variance: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def strided_schedule(self, steps: int, variance: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Timesteps, posterior coefficients and sampling variance for sampling with ``steps`` <= T steps.
 
         Keeps an evenly spaced subset tau of the T timesteps and re-derives the betas of that
@@ -198,7 +198,7 @@ class GaussianDiffusion(nn.Module):
         steps = self.timesteps if steps is None else int(steps)
         if not 1 <= steps <= self.timesteps:
             raise ValueError(f"steps must be in 1..{self.timesteps}, got {steps}")
-        taus, c = self._strided_schedule(steps, variance)
+        taus, c = self.strided_schedule(steps, variance)
         c = {k: v.to(device) for k, v in c.items()}
         x = torch.randn(n, channels, image_size, image_size, device=device, generator=generator)
         every = trajectory_every or max(1, len(taus) // 10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 
@@ -142,6 +143,10 @@ def show(device: torch.device | str | None = None) -> tuple[torch.device, str]:
 
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     apply_memory_cap(device)  # a bad DDPM_GPU_MEMORY_GB is an error here, before any work
+    if not torch.cuda.is_available():
+        # A CUDA build of torch on a machine with a CUDA toolkit but no GPU warns "No CUDA runtime is found, using
+        # CUDA_HOME=..." the first time torch.compile builds C++ for the CPU: true, harmless, and a red box in JupyterLab.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     text = label(device)
     print(text)
     display(pd.Series(describe(device), name="value").to_frame())

@@ -85,7 +85,11 @@ def settle_progress_bars(nb) -> int:
     that do not run widgets (GitHub, a terminal), and that copy is the bar as it was created:
     "0%| | 0/40". The executed notebook stores every widget's final state in its metadata, so
     the text is rebuilt from there ("training: 100%|##########| 40/40 [00:12<00:00, 3.2it/s]").
-    Returns the number of bars rewritten.
+    A bar made with ``leave=False`` closes its widget when it ends, and JupyterLab then hides it; its
+    stored text is its last refresh ("decoding dataset:  94%"). tqdm marks every bar that it keeps
+    (``bar_style`` "success", or "danger" for one that stopped early), so a finished bar with no style
+    is one that was hidden: its output is removed from the executed copy too.
+    Returns the number of bars rewritten or removed.
     """
     import html
 
@@ -96,18 +100,25 @@ def settle_progress_bars(nb) -> int:
 
     n = 0
     for cell in nb.cells:
+        kept = []
         for out in cell.get("outputs", []):
+            kept.append(out)
             view = out.get("data", {}).get(WIDGET_VIEW)
             box = model(view["model_id"]) if view else {}
             parts = [model(c) for c in box.get("state", {}).get("children", [])] if box.get("model_name") == "HBoxModel" else []
             if len(parts) != 3 or parts[1].get("model_name") != "FloatProgressModel":
                 continue
             left, bar, right = (p.get("state", {}) for p in parts)
+            n += 1
+            if not bar.get("bar_style"):  # leave=False: closed and hidden when it ended
+                kept.pop()
+                continue
             done = bar.get("value", 0) / bar["max"] if bar.get("max") else 0.0
             filled = min(10, max(0, round(10 * done)))
             text = f"{left.get('value', '')}|{'#' * filled}{' ' * (10 - filled)}|{right.get('value', '')}"
             out["data"]["text/plain"] = html.unescape(text).replace("\u2007", " ")
-            n += 1
+        if "outputs" in cell:
+            cell["outputs"] = kept
     return n
 
 

@@ -1,3 +1,4 @@
+import os
 import time
 
 import pytest
@@ -185,8 +186,12 @@ def test_measure_takes_the_precision_from_the_trainer_and_refuses_to_guess(tmp_p
     assert calls == []  # refused before running anything
     m = bench.measure(lambda: t.train_step(x), batch_size=4, warmup=1, iters=1, flops=10**9, precision="bf16")
     assert m.precision == "bf16"
-    row = bench.summary_table([m]).iloc[0]
-    assert "MFU vs bf16 peak" in row.index
+    table = bench.summary_table([m, bench.measure(lambda: t.train_step(x), batch_size=4, warmup=1, iters=1)])
+    # A CPU has no peak: no column of blanks for the bf16 MFU, and no None/NaN cell (the FLOP-less row says n/a).
+    assert "MFU vs bf16 peak" not in table.columns
+    assert not table.isna().any().any()
+    assert table["TFLOP/s"].iloc[1] == bench.NOT_AVAILABLE and isinstance(table["TFLOP/s"].iloc[0], float)
+    assert table["ms/step"].dtype.kind == "f"  # columns with nothing missing keep their dtype
 
 
 def test_cuda_graph_steps_report_the_memory_their_pools_hold(monkeypatch):
@@ -329,6 +334,22 @@ def test_env_show_prints_the_label_and_returns_the_device(capsys):
     assert device == torch.device("cpu") and text == env.label("cpu") and text in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is about a CUDA build without a GPU")
+def test_env_show_keeps_the_no_cuda_runtime_warning_out_of_cpu_notebooks(tmp_path):
+    """With a CUDA toolkit but no GPU, torch.compile's first C++ build warns "No CUDA runtime is found" on
+    stderr (a red box in 04 on such a machine): after env.show() on the CPU it does not."""
+    import subprocess
+    import sys
+
+    code = ("from ddpm_core import env; env.show('cpu'); import torch.utils.cpp_extension")
+    run = lambda c: subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, timeout=120,
+                                   env={**os.environ, "CUDA_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""})
+    assert "No CUDA runtime is found" in run("import torch.utils.cpp_extension").stderr  # the warning is real
+    shown = run(code)
+    assert shown.returncode == 0, shown.stderr
+    assert "No CUDA runtime is found" not in shown.stderr
+
+
 def test_the_gpu_memory_cap_is_read_checked_and_used_for_sizing(monkeypatch):
     """DDPM_GPU_MEMORY_GB (a 16 GB card rehearsed on an 80 GB one): parsed, refused when it is not a
     size, and what TrainConfig.fast sizes its batch from. The allocator side is tested on a GPU."""
@@ -347,3 +368,27 @@ def test_the_gpu_memory_cap_is_read_checked_and_used_for_sizing(monkeypatch):
         monkeypatch.setenv(env.MEMORY_CAP_ENV, bad)
         with pytest.raises(ValueError, match="DDPM_GPU_MEMORY_GB=.*e.g. DDPM_GPU_MEMORY_GB=16"):
             env.show("cpu")
+
+
+def test_add_peak_teaches_a_gpu_for_the_session_and_refuses_rows_without_figures_or_source(monkeypatch):
+    """00's Exercise 3 without editing the package: a missing GPU gets MFU from its datasheet row."""
+    monkeypatch.setattr(bench, "PEAK_TFLOPS", dict(bench.PEAK_TFLOPS))
+    monkeypatch.setattr(bench, "_DEVICE_PATTERNS", list(bench._DEVICE_PATTERNS))
+    monkeypatch.setattr(bench, "ADDED_PEAK_SOURCES", {})
+    name = "NVIDIA L40S"
+    assert bench.peak_for_name(name, "bf16")[0] is None
+    before = (dict(bench.PEAK_TFLOPS), list(bench._DEVICE_PATTERNS))
+    for bad, match in [(dict(source=""), "source must say"), (dict(bf16=-1.0), "bf16 must be"),
+                       (dict(fp32=None), "fp32 must be"), (dict(pattern="L40S("), "not a regular expression")]:
+        kw = dict(key="L40S", pattern=r"L40S", fp32=91.6, tf32=183.0, bf16=362.05, fp16=362.05, source="datasheet")
+        kw.update(bad)
+        with pytest.raises(ValueError, match=match):
+            bench.add_peak(**kw)
+        assert (bench.PEAK_TFLOPS, bench._DEVICE_PATTERNS) == before  # checked before anything changed
+    bench.add_peak("L40S", r"L40S", fp32=91.6, tf32=183.0, bf16=362.05, fp16=362.05, source="datasheet")
+    peak, why = bench.peak_for_name(name, "bf16")
+    assert (peak.device, peak.tflops, why) == ("L40S", 362.05, "")
+    assert bench.peak_for_name("NVIDIA L4", "bf16")[0].device == "L4"  # the built-in rows still match
+    assert bench.ADDED_PEAK_SOURCES == {"L40S": "datasheet"}
+    bench.add_peak("T4", r"\bT4\b", fp32=8.1, tf32=None, bf16=None, fp16=65.0, source="datasheet")  # a row again:
+    assert [k for _, k in bench._DEVICE_PATTERNS].count("T4") == 1  # replaced, not duplicated

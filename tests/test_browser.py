@@ -12,7 +12,8 @@ repository; the forward-noising slider is a live widget and dragging it redraws 
 the "Next" link opens notebook 01.
 
 Skipped, with the reason, where no Chromium or no playwright module is installed (.ci/run installs Chromium).
-Run it alone: pytest -m browser.
+With DDPM_REQUIRE_BROWSER=1 (.ci/run sets it once Chromium is installed) each of those reasons is a failure
+instead, so a passing CI run is one in which this test ran. Run it alone: pytest -m browser.
 """
 
 from __future__ import annotations
@@ -93,16 +94,26 @@ def _nbstripout_filter() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
+REQUIRE_ENV = "DDPM_REQUIRE_BROWSER"
+
+
+def _skip(reason: str):
+    """Skip with ``reason``; fail with it where $DDPM_REQUIRE_BROWSER says the browser test must run (.ci/run)."""
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 but the browser test cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def browser():
     exe = _chromium()
     if exe is None:
-        pytest.skip("no Chromium found (chromium or chromium-browser on PATH): install Debian's package with "
+        _skip("no Chromium found (chromium or chromium-browser on PATH): install Debian's package with "
                     "`apt-get install -y --no-install-recommends chromium` (.ci/run does it where it can)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("the playwright module is not installed: pip install -c constraints.txt -e '.[dev]'")
+        _skip("the playwright module is not installed: pip install -c constraints.txt -e '.[dev]'")
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=exe, headless=True, args=["--disable-dev-shm-usage"])
         try:
@@ -115,7 +126,7 @@ def browser():
 def clone(tmp_path) -> Path:
     """A fresh clone of the committed repository, with the nbstripout filter of `make setup`."""
     if not (REPO_ROOT / ".git").exists():
-        pytest.skip(f"{REPO_ROOT} is not a git checkout: the browser test checks `git status` in a clone of it")
+        _skip(f"{REPO_ROOT} is not a git checkout: the browser test checks `git status` in a clone of it")
     repo = tmp_path / "repo"
     _run(["git", "clone", "--quiet", str(REPO_ROOT), str(repo)], tmp_path)
     # Files checked out in the second the index was written are "racily clean": the next `git status` would
@@ -341,3 +352,15 @@ def test_notebook_00_runs_in_jupyterlab_in_a_real_browser(clone, lab, page, tmp_
     _wait(f"the Next link to open {NEXT}", NEXT_S, lambda: current_tab.inner_text().strip() == NEXT, why)
     _wait(f"{NEXT} to show its title", NEXT_S,
           lambda: _text(notebook.locator(".jp-MarkdownCell h1")).startswith("01"), why)
+
+
+def test_ci_turns_a_missing_browser_into_a_failure(monkeypatch):
+    """.ci/run sets DDPM_REQUIRE_BROWSER=1 once Chromium is installed, so a skipped browser test cannot pass CI."""
+    monkeypatch.delenv(REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no Chromium"):
+        _skip("no Chromium")
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="cannot run: no Chromium"):
+        _skip("no Chromium")
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert f"export {REQUIRE_ENV}=1" in ci and ci.index(f"export {REQUIRE_ENV}=1") < ci.index("make test")

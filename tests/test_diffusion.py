@@ -61,12 +61,12 @@ def test_sampling_full_and_strided_gives_images_in_range_and_a_trajectory():
 
 def test_strided_schedule_with_all_steps_is_the_original_chain():
     d = GaussianDiffusion(timesteps=100)
-    taus, c = d._strided_schedule(100)
+    taus, c = d.strided_schedule(100)
     assert torch.equal(taus, torch.arange(100))
     assert torch.allclose(c["betas"], d.betas, rtol=1e-5)
     assert torch.allclose(c["post_var"], d.posterior_variance, rtol=1e-4, atol=1e-10)
     assert torch.allclose(c["var"], d.fixedlarge_variance, rtol=1e-4, atol=1e-10)
-    _, small = d._strided_schedule(100, "fixedsmall")
+    _, small = d.strided_schedule(100, "fixedsmall")
     assert torch.equal(small["var"], small["post_var"])
 
 
@@ -78,7 +78,7 @@ def test_the_default_sampling_variance_is_beta_t_as_in_the_official_cifar10_code
     assert d.fixedlarge_variance[0] == d.posterior_variance[1]
     assert (d.fixedlarge_variance[1:] > d.posterior_variance[1:]).all()  # "large": beta_t > beta_tilde_t
     # strided: beta'_i of the respaced chain, the same rule
-    taus, c = d._strided_schedule(50)
+    taus, c = d.strided_schedule(50)
     assert torch.allclose(c["var"][1:], c["betas"][1:]) and c["var"][0] == c["post_var"][1]
     # where the trainer (and so every notebook) samples
     from ddpm_core.train import TrainConfig, build
