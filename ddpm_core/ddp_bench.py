@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .atomic import atomic_write_text
 from .env import device_name
-from .train import TrainConfig, _init_distributed, build
+from .train import TrainConfig, _init_distributed, _release_group, build
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(model=args.model, batch_size=args.batch_size, precision=args.precision, device=args.device,
                       dataset="synthetic", ddp_bucket_cap_mb=args.ddp_bucket_cap_mb)
     started = _init_distributed(cfg)
+    t = gt = None
     try:
         t = build(cfg)
         g = torch.Generator().manual_seed(t.rank)
@@ -98,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_text(args.out, json.dumps(result, indent=1))
             print(f"world {t.world_size}: {median:.1f} ms/step, {result['images_per_s']:.1f} img/s", flush=True)
     finally:
-        if started:
-            dist.destroy_process_group()
+        if started:  # every DDP wrapper dropped first (train._release_group says why)
+            if gt is not None and gt is not t:
+                gt.net = gt.model
+            _release_group(t)
     return 0
 
 
