@@ -821,8 +821,8 @@ def _release_group(t: Trainer | None) -> None:
     DDP's reducer holds the process group, so ``destroy_process_group`` alone leaves the gloo group
     (and its worker threads) alive inside the trainer's DDP wrapper until interpreter shutdown,
     where destroying it can abort the finished worker with "terminate called without an active
-    exception" (SIGABRT; seen once in 53 restarted runs on a 2-core machine, and in 2 full test suites). torchrun
-    takes that for a crash and stops the group. So the wrapper goes first: the trainer keeps the
+    exception" (SIGABRT; seen once in 53 restarted runs on a 2-core machine, and in 2 full test
+    suites). torchrun takes that for a crash and stops the group. So the wrapper goes first: the trainer keeps the
     plain model, which is all sampling and checkpoints need, and the group is destroyed now.
     """
     import gc
