@@ -67,6 +67,9 @@ _DEVICE_PATTERNS = [
 ]
 
 
+ADDED_PEAK_SOURCES: dict[str, str] = {}  # rows add_peak added in this session, and where their figures come from
+
+
 def add_peak(key: str, pattern: str, *, fp32: float, tf32: float | None, bf16: float | None, fp16: float | None,
              source: str) -> None:
     """Teach this Python session the peaks of a GPU that ``PEAK_TFLOPS`` lacks, without editing the package.
@@ -99,9 +102,6 @@ def add_peak(key: str, pattern: str, *, fp32: float, tf32: float | None, bf16: f
     PEAK_TFLOPS[key] = {k: (None if v is None else float(v)) for k, v in rates.items()}
     _DEVICE_PATTERNS[:] = [(pattern, key)] + [(p, k) for p, k in _DEVICE_PATTERNS if k != key]
     ADDED_PEAK_SOURCES[key] = source
-
-
-ADDED_PEAK_SOURCES: dict[str, str] = {}  # rows add_peak added in this session, and where their figures come from
 
 
 @dataclass(frozen=True)

@@ -100,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"world {t.world_size}: {median:.1f} ms/step, {result['images_per_s']:.1f} img/s", flush=True)
     finally:
         if started:  # every DDP wrapper dropped first (train._release_group says why)
-            if gt is not None and gt is not t:
-                gt.net = gt.model
-            _release_group(t)
+            _release_group(t, gt)
     return 0
 
 

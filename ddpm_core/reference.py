@@ -146,10 +146,10 @@ def _result_table(df):
     out = df[[c for c, _ in cols]].rename(columns=dict(cols)).reset_index(drop=True)
     for name in ("MFU", "MFU vs bf16 peak"):
         if name in out:
-            out[name] = out[name].map(lambda v: "n/a" if v != v else f"{100 * float(v):.1f}%")
+            out[name] = out[name].map(lambda v: None if v != v else f"{100 * float(v):.1f}%")
     from ddpm_core.bench import readable
 
-    return readable(out.round(3))
+    return readable(out.round(3))  # a missing value says n/a
 
 
 def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | None = None) -> bool:

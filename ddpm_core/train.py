@@ -815,20 +815,22 @@ def train(cfg: TrainConfig) -> TrainResult:
             _release_group(t)
 
 
-def _release_group(t: Trainer | None) -> None:
+def _release_group(*trainers: Trainer | None) -> None:
     """End this process's part in the process group, while the interpreter is fully alive.
 
     DDP's reducer holds the process group, so ``destroy_process_group`` alone leaves the gloo group
     (and its worker threads) alive inside the trainer's DDP wrapper until interpreter shutdown,
     where destroying it can abort the finished worker with "terminate called without an active
     exception" (SIGABRT; seen once in 53 restarted runs on a 2-core machine, and in 2 full test
-    suites). torchrun takes that for a crash and stops the group. So the wrapper goes first: the trainer keeps the
-    plain model, which is all sampling and checkpoints need, and the group is destroyed now.
+    suites). torchrun takes that for a crash and stops the group. So the wrappers go first: each
+    trainer keeps its plain model, which is all sampling and checkpoints need, and the group is
+    destroyed now.
     """
     import gc
 
-    if t is not None:
-        t.net = t.model
+    for t in trainers:
+        if t is not None:
+            t.net = t.model
     gc.collect()
     dist.destroy_process_group()
 
