@@ -20,7 +20,11 @@ Contenders (each a full training step: noise, forward, loss, backward, clipping,
   are counted on its own step, so TFLOP/s and MFU compare, images/s only roughly.
 
 TFLOP/s come from each step's own FLOP count (``torch.utils.flop_counter``), MFU against the dense bf16
-peak of the GPU named in ``bench.PEAK_TFLOPS``. diffusers and denoising-diffusion-pytorch are
+peak of the GPU named in ``bench.PEAK_TFLOPS``, and against the ceiling measured on the same device
+(``ddpm_core.ceiling``: the paper model's own convolutions timed alone): the datasheet says how far
+a step is from the hardware's best case, the ceiling how much of that a framework could still win.
+The ceiling applies to the paper's network (ours and diffusers'); lucidrains' is another network,
+and so is diffusers' small smoke-mode UNet. diffusers and denoising-diffusion-pytorch are
 benchmark-only extras (``pip install -e ".[peers]"``), not dependencies of the notebooks; a missing
 one is reported and skipped.
 """
@@ -156,12 +160,32 @@ def run(batch_size: int | None = None, smoke: bool = False, rounds: int = 5, ite
     return bench.compare(variants, rounds=rounds, iters=iters, warmup=warmup, device=dev), skipped
 
 
+def same_network(smoke: bool) -> tuple[str, ...]:
+    """The contenders that run the network the ceiling was measured on: the paper's model (our tiny
+    model in smoke mode, where diffusers runs a small UNet2DModel of its own)."""
+    return ("ours: baseline", "ours: fast") + (() if smoke else ("diffusers",))
+
+
+def ceiling_column(table, ceiling, same: tuple[str, ...]) -> str:
+    """Add to ``table`` (a Comparison.table()) each contender's share of the measured ceiling; return the column's name."""
+
+    def share(variant: str, tflops: Any) -> str:
+        if variant not in same:
+            return "n/a (other network)"
+        return "n/a" if tflops is None or tflops != tflops else f"{100 * tflops / ceiling.tflops:.1f}%"
+
+    name = f"of measured {ceiling.precision} ceiling"
+    table[name] = [share(v, tf) for v, tf in zip(table["variant"], table["TFLOP/s"])]
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddpm_core.bench_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="small models, few steps: a CPU check of the whole path")
     p.add_argument("--batch-size", type=int, default=None, help="per step (default: 256 on a GPU, 16 on a CPU, 4 in smoke)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--device", default="auto")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the measured ceiling (ddpm_core.ceiling)")
     p.add_argument("--out", default=None, help="append the rows to this results CSV (default: data/results/bench_peers.csv)")
     args = p.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
@@ -172,13 +196,27 @@ def main(argv: list[str] | None = None) -> int:
     from . import results
 
     table = comparison.table()
+    columns = ["variant", "batch", "ms/step", "img/s", "TFLOP/s", "speedup", "MFU", "p10-p90 ms"]
+    ceil = None
+    if not args.no_ceiling:
+        from . import ceiling
+
+        first = comparison.measurements[0]
+        ceil = ceiling.measure("tiny" if args.smoke else "ddpm-cifar10", first.batch_size, device=first.device,
+                               iters=3 if args.smoke else 20, warmup=1 if args.smoke else 5,
+                               matmul_n=256 if args.smoke else None, progress=False)
+        columns.insert(-1, ceiling_column(table, ceil, same_network(args.smoke)))
     print(f"{label(comparison.measurements[0].device)}{' (smoke)' if args.smoke else ''}")
-    print(table[["variant", "batch", "ms/step", "img/s", "TFLOP/s", "speedup", "MFU", "p10-p90 ms"]].to_string(index=False))
+    print(table[columns].to_string(index=False))
     print(comparison.report().replace("**", ""))
+    if ceil is not None:
+        print(ceil.summary())
     for line in skipped:
         print("skipped:", line)
-    results.append("bench_peers", [{**m.row(), "variant": m.name, "smoke": args.smoke} for m in comparison.measurements],
-                   path=args.out)
+    extra = lambda m: {} if ceil is None else {  # noqa: E731
+        "ceiling_tflops": ceil.tflops, "of_ceiling": m.tflops / ceil.tflops if m.name in same_network(args.smoke) and m.tflops else None}
+    results.append("bench_peers", [{**m.row(), "variant": m.name, "smoke": args.smoke, **extra(m)}
+                                   for m in comparison.measurements], path=args.out)
     return 0
 
 

@@ -14,6 +14,9 @@ def test_bench_peers_runs_in_smoke_mode_and_writes_one_row_per_contender(tmp_pat
     assert list(rows["variant"]) == ["ours: baseline", "ours: fast", "diffusers", "lucidrains"], printed
     assert (rows["flops_per_step"] > 0).all() and rows["device_name"].notna().all()
     assert "skipped" not in printed
+    # the measured ceiling: our two steps as a share of it; the other networks have none
+    assert rows["of_ceiling"].iloc[:2].between(0, 1.5).all() and rows["of_ceiling"].iloc[2:].isna().all(), printed
+    assert "The step's ceiling is" in printed
 
 
 def test_bench_peers_refuses_a_bad_batch_size_before_building_anything(capsys):
