@@ -56,6 +56,7 @@ def _autocast(device: torch.device, precision: str):
 
 
 def ours(fast: bool, batch_size: int, device: torch.device, smoke: bool) -> tuple[Callable[[], Any], str, int]:
+    """Our baseline or ``TrainConfig.fast()`` step at ``batch_size``: (step, precision, FLOPs per step)."""
     from .train import TrainConfig, build
 
     common = dict(batch_size=batch_size, device=str(device), dataset="synthetic", progress=False)
@@ -123,8 +124,13 @@ def lucidrains_step(batch_size: int, device: torch.device, smoke: bool, precisio
     return step
 
 
-def contenders(batch_size: int, device: torch.device, smoke: bool) -> tuple[list[bench.Variant], list[str]]:
-    """The steps to compare, each with its own FLOP count; and a line per contender left out, with why."""
+def contenders(batch_size: int, device: torch.device, smoke: bool, fast_batch: int | None = None
+               ) -> tuple[list[bench.Variant], list[str]]:
+    """The steps to compare, each with its own FLOP count; and a line per contender left out, with why.
+
+    Every contender runs at ``batch_size``. ``fast_batch`` (where it differs) adds ``TrainConfig.fast()``
+    at that batch too: the batch where its throughput saturates is part of the fast configuration.
+    """
     from .env import cpu_bf16
 
     peers_precision = "bf16" if device.type == "cuda" or cpu_bf16()[0] else "fp32"
@@ -136,6 +142,8 @@ def contenders(batch_size: int, device: torch.device, smoke: bool) -> tuple[list
     makers: list[tuple[str, Callable[[], tuple[Callable[[], Any], str, int]]]] = [
         ("ours: baseline", lambda: ours(False, batch_size, device, smoke)),
         ("ours: fast", lambda: ours(True, batch_size, device, smoke)),
+        *([(f"ours: fast, batch {fast_batch}", lambda: ours(True, fast_batch, device, smoke))]
+          if fast_batch and fast_batch != batch_size else []),
         ("diffusers", lambda: peer(diffusers_step)),
         ("lucidrains", lambda: peer(lucidrains_step)),
     ]
@@ -145,32 +153,40 @@ def contenders(batch_size: int, device: torch.device, smoke: bool) -> tuple[list
         except ImportError as e:
             skipped.append(f"{name}: not installed ({e.name or e}); pip install -e '.[peers]'")
             continue
-        variants.append(bench.Variant(name, fn, (), batch_size, flops=flops, precision=precision))
+        b = fast_batch if name.startswith("ours: fast, batch") else batch_size
+        variants.append(bench.Variant(name, fn, (), b, flops=flops, precision=precision))
     return variants, skipped
 
 
 def run(batch_size: int | None = None, smoke: bool = False, rounds: int = 5, iters: int = 4, warmup: int = 5,
-        device: str = "auto") -> tuple[bench.Comparison, list[str]]:
+        device: str = "auto", fast_batch: int | None = None) -> tuple[bench.Comparison, list[str]]:
+    """Every contender side by side at ``batch_size`` (default: the paper's 128 on a GPU, which fits a 16 GB
+    card in fp32; 16 on a CPU, 4 in smoke mode), and ``TrainConfig.fast()`` at ``fast_batch`` too (default
+    on a GPU: the batch ``TrainConfig.fast()`` picks for its memory)."""
+    from .train import TrainConfig
+
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if batch_size is None:
-        batch_size = 4 if smoke else (256 if dev.type == "cuda" else 16)
-    variants, skipped = contenders(batch_size, dev, smoke)
+        batch_size = 4 if smoke else (128 if dev.type == "cuda" else 16)
+    if fast_batch is None and dev.type == "cuda" and not smoke:
+        fast_batch = TrainConfig.fast(device=str(dev)).batch_size
+    variants, skipped = contenders(batch_size, dev, smoke, fast_batch)
     if not variants:
         raise RuntimeError("no contender could be built: " + "; ".join(skipped))
     return bench.compare(variants, rounds=rounds, iters=iters, warmup=warmup, device=dev), skipped
 
 
-def same_network(smoke: bool) -> tuple[str, ...]:
-    """The contenders that run the network the ceiling was measured on: the paper's model (our tiny
-    model in smoke mode, where diffusers runs a small UNet2DModel of its own)."""
-    return ("ours: baseline", "ours: fast") + (() if smoke else ("diffusers",))
+def same_network(name: str, smoke: bool) -> bool:
+    """Whether contender ``name`` runs the network the ceiling was measured on: the paper's model (our
+    tiny model in smoke mode, where diffusers runs a small UNet2DModel of its own)."""
+    return name.startswith("ours:") or (name == "diffusers" and not smoke)
 
 
-def ceiling_column(table, ceiling, same: tuple[str, ...]) -> str:
+def ceiling_column(table, ceiling, smoke: bool) -> str:
     """Add to ``table`` (a Comparison.table()) each contender's share of the measured ceiling; return the column's name."""
 
     def share(variant: str, tflops: Any) -> str:
-        if variant not in same:
+        if not same_network(variant, smoke):
             return "n/a (other network)"
         return "n/a" if tflops is None or tflops != tflops else f"{100 * tflops / ceiling.tflops:.1f}%"
 
@@ -182,17 +198,20 @@ def ceiling_column(table, ceiling, same: tuple[str, ...]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddpm_core.bench_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="small models, few steps: a CPU check of the whole path")
-    p.add_argument("--batch-size", type=int, default=None, help="per step (default: 256 on a GPU, 16 on a CPU, 4 in smoke)")
+    p.add_argument("--batch-size", type=int, default=None, help="per step (default: 128 on a GPU, 16 on a CPU, 4 in smoke)")
+    p.add_argument("--fast-batch", type=int, default=None,
+                   help="also TrainConfig.fast() at this batch (default on a GPU: the one it picks for the GPU's memory)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-ceiling", action="store_true", help="skip the measured ceiling (ddpm_core.ceiling)")
     p.add_argument("--out", default=None, help="append the rows to this results CSV (default: data/results/bench_peers.csv)")
     args = p.parse_args(argv)
-    if args.batch_size is not None and args.batch_size < 1:
-        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    for flag, v in (("--batch-size", args.batch_size), ("--fast-batch", args.fast_batch)):
+        if v is not None and v < 1:
+            p.error(f"{flag} must be >= 1, got {v}")
     rounds = args.rounds or (2 if args.smoke else 5)
     comparison, skipped = run(args.batch_size, args.smoke, rounds=rounds, iters=1 if args.smoke else 4,
-                              warmup=1 if args.smoke else 5, device=args.device)
+                              warmup=1 if args.smoke else 5, device=args.device, fast_batch=args.fast_batch)
     from . import results
 
     table = comparison.table()
@@ -205,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         ceil = ceiling.measure("tiny" if args.smoke else "ddpm-cifar10", first.batch_size, device=first.device,
                                iters=3 if args.smoke else 20, warmup=1 if args.smoke else 5,
                                matmul_n=256 if args.smoke else None, progress=False)
-        columns.insert(-1, ceiling_column(table, ceil, same_network(args.smoke)))
+        columns.insert(-1, ceiling_column(table, ceil, args.smoke))
     print(f"{label(comparison.measurements[0].device)}{' (smoke)' if args.smoke else ''}")
     print(table[columns].to_string(index=False))
     print(comparison.report().replace("**", ""))
@@ -214,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in skipped:
         print("skipped:", line)
     extra = lambda m: {} if ceil is None else {  # noqa: E731
-        "ceiling_tflops": ceil.tflops, "of_ceiling": m.tflops / ceil.tflops if m.name in same_network(args.smoke) and m.tflops else None}
+        "ceiling_tflops": ceil.tflops, "of_ceiling": m.tflops / ceil.tflops if same_network(m.name, args.smoke) and m.tflops else None}
     results.append("bench_peers", [{**m.row(), "variant": m.name, "smoke": args.smoke, **extra(m)}
                                    for m in comparison.measurements], path=args.out)
     return 0

@@ -8,18 +8,20 @@ from ddpm_core import bench_peers, results
 @pytest.mark.slow
 def test_bench_peers_runs_in_smoke_mode_and_writes_one_row_per_contender(tmp_path, capsys):
     out = tmp_path / "peers.csv"
-    assert bench_peers.main(["--smoke", "--out", str(out)]) == 0
+    assert bench_peers.main(["--smoke", "--fast-batch", "6", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     rows = results.load(out)
-    assert list(rows["variant"]) == ["ours: baseline", "ours: fast", "diffusers", "lucidrains"], printed
+    assert list(rows["variant"]) == ["ours: baseline", "ours: fast", "ours: fast, batch 6", "diffusers", "lucidrains"], printed
+    assert list(rows["batch_size"]) == [4, 4, 6, 4, 4]
     assert (rows["flops_per_step"] > 0).all() and rows["device_name"].notna().all()
     assert "skipped" not in printed
     # the measured ceiling: our two steps as a share of it; the other networks have none
-    assert rows["of_ceiling"].iloc[:2].between(0, 1.5).all() and rows["of_ceiling"].iloc[2:].isna().all(), printed
+    assert rows["of_ceiling"].iloc[:3].between(0, 1.5).all() and rows["of_ceiling"].iloc[3:].isna().all(), printed
     assert "The step's ceiling is" in printed
 
 
 def test_bench_peers_refuses_a_bad_batch_size_before_building_anything(capsys):
-    with pytest.raises(SystemExit) as e:
-        bench_peers.main(["--batch-size", "0"])
-    assert e.value.code == 2 and "--batch-size must be >= 1" in capsys.readouterr().err
+    for flag in ("--batch-size", "--fast-batch"):
+        with pytest.raises(SystemExit) as e:
+            bench_peers.main([flag, "0"])
+        assert e.value.code == 2 and f"{flag} must be >= 1" in capsys.readouterr().err

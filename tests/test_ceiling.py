@@ -71,10 +71,10 @@ def test_the_ceiling_column_applies_only_to_the_network_it_was_measured_on():
     table = pd.DataFrame({"variant": ["ours: baseline", "ours: fast", "diffusers", "lucidrains"],
                           "TFLOP/s": [1.0, 2.0, 1.5, 3.0]})
     c = _fake()
-    name = bench_peers.ceiling_column(table, c, bench_peers.same_network(smoke=False))
+    name = bench_peers.ceiling_column(table, c, smoke=False)
     share = 100 / c.tflops
     assert list(table[name]) == [f"{share:.1f}%", f"{2 * share:.1f}%", f"{1.5 * share:.1f}%", "n/a (other network)"]
-    bench_peers.ceiling_column(table, c, bench_peers.same_network(smoke=True))
+    bench_peers.ceiling_column(table, c, smoke=True)
     assert table[name][2] == "n/a (other network)"  # smoke mode: diffusers runs a small UNet of its own
 
 
