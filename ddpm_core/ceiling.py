@@ -167,7 +167,7 @@ class Ceiling:
             s += (f" That is {100 * self.tflops / self.datasheet.tflops:.0f}% of the datasheet's {self.datasheet}: "
                   f"the rest only a better kernel could win.")
         else:
-            s += f" ({self.why_no_datasheet})"
+            s += f" {self.why_no_datasheet}."
         reasons = list(self.noise.reasons) if self.noise is not None else []
         wide = int((self.shapes["spread"] > bench.NOISY_SPREAD).sum()) if "spread" in self.shapes else 0
         if wide:
@@ -178,10 +178,11 @@ class Ceiling:
         return s
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row for the results CSV: the ceiling, labelled with its device."""
+        """One row for the results CSV: the ceiling, labelled with its device (its step time is the ceiling's)."""
         return [{"variant": f"measured ceiling ({self.precision})", "device_name": self.device_name,
                  "torch_version": torch.__version__, "precision": self.precision, "batch_size": self.batch_size,
-                 "model": self.model, "ceiling_tflops": self.tflops, "ceiling_images_per_s": self.images_per_s,
+                 "model": self.model, "median_ms": self.ceiling_ms, "images_per_s": self.images_per_s,
+                 "tflops": self.tflops, "ceiling_tflops": self.tflops, "ceiling_images_per_s": self.images_per_s,
                  "conv_tflops": self.conv_tflops, "matmul_tflops": self.matmul_tflops,
                  "datasheet_tflops": self.datasheet.tflops if self.datasheet else None,
                  "peak": str(self.datasheet) if self.datasheet else None}]

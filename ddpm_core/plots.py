@@ -557,3 +557,133 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
     _title(ax, title, label)
     fig.tight_layout()
     return fig
+
+
+def quality_band(result, *, label: str | None = None,
+                 title: str = "Quality preserved? The fast run against the baseline's seed-to-seed band") -> "plt.Figure":
+    """Left: the baseline seeds' smoothed training losses (faint), the band they span (shaded) and
+    the fast run on top (dashed), log y, with the unjudged warm-up greyed. Right: each arm's EMA
+    loss on the held-out batches (dots: baseline seeds; diamond: fast) with the seeds' range.
+
+    ``result``: a ``quality.QualityResult``; ``label`` defaults to the device it was measured on."""
+    import math
+
+    from .quality import smooth
+
+    set_style()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    band, arms = result.band, result.arms
+    base = [n for n, a in arms.items() if a["kind"] == "baseline"]
+    fast = next(n for n, a in arms.items() if a["kind"] == "fast")
+    for i, name in enumerate(base):
+        s = smooth(result.curves[name], result.window)
+        ax.plot(s.index, s.values, color="C0", alpha=0.35, lw=0.8, label="baseline seeds (smoothed)" if i == 0 else None)
+    ax.fill_between(band["step"], band["low"], band["high"], color="C0", alpha=0.25, lw=0,
+                    label=f"baseline band ({len(base)} seeds, min-max)")
+    ax.plot(band["step"], band["fast"], color="C3", ls="--", lw=1.6,
+            label=f"{fast}: inside the band at {100 * result.inside:.0f}% of judged steps"
+                  + (f",\nwithin the seeds' spread of its twin at {100 * result.within_spread:.0f}%"
+                     if not math.isnan(result.within_spread) else ""))
+    unjudged = band.loc[~band["judged"], "step"]
+    if len(unjudged):
+        ax.axvspan(band["step"].min(), unjudged.max(), color="C7", alpha=0.12, lw=0, label="warm-up, not judged")
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"loss (rolling mean of {result.window} step{'s' if result.window != 1 else ''})")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.34), ncol=2, frameon=False)  # off the curves
+    data = result.dataset or result.config.get("dataset")
+    ax.set_title(f"training loss{f', {data}' if data else ''}", fontsize=9)
+
+    ema = result.heldout[result.heldout["weights"] == "EMA"].set_index("arm")["loss"]
+    lo, hi = result.heldout_range
+    ax2.axhspan(lo, hi, color="C0", alpha=0.2, lw=0)
+    ax2.scatter([0] * len(base), ema[base], color="C0", zorder=3)
+    ax2.scatter([1], [ema[fast]], color="C3", marker="D", s=50, zorder=3)
+    for x, name in [(0, n) for n in base] + [(1, fast)]:
+        ax2.annotate(f"{ema[name]:.4f}", (x, ema[name]), xytext=(6, 0), textcoords="offset points", va="center", fontsize=7)
+    ax2.set_xticks([0, 1], [f"baseline\n({len(base)} seeds)", "fast"])
+    ax2.set_xlim(-0.5, 1.8)
+    ax2.set_ylabel("held-out loss, EMA weights")
+    ax2.set_title("held-out batches\n(same t and noise for every arm)", fontsize=9)
+    ax2.margins(y=0.3)
+    steps, batch = result.config.get("steps"), result.config.get("batch_size")
+    verdict = "passed" if result.passed else "FAILED"
+    head = f"{title}\n{steps} steps x batch {batch} per arm; {verdict} (see QualityResult.verdict)"
+    return _suptitle(fig, head, label if label is not None else result.label)
+
+
+# ------------------------------------------------------------------------------ the fastest step (notebook 09b)
+def peers_figure(table, *, ceiling=None, label: str | None = None,
+                 title: str = "Our training step and the peers, side by side") -> "plt.Figure":
+    """Left: images/s per contender, labelled with the comparison's own speedup text (a ratio only
+    where it separated from the noise). Right: achieved TFLOP/s (each step's own FLOP count), with
+    the measured ceiling of this model's step and the datasheet peak drawn as lines."""
+    set_style()
+    table = table.reset_index(drop=True)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(table) + 2.2), sharey=True)
+    names = table["variant"].astype(str) + "  (batch " + table["batch"].astype(str) + ")"
+    bars = ax1.barh(names, table["img/s"], color=["C7"] + ["C0"] * (len(table) - 1))
+    ax1.invert_yaxis()
+    for b, v, s in zip(bars, table["img/s"], table["speedup"].astype(str)):
+        ax1.annotate(f"{v:,.0f} · {s}", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
+                     textcoords="offset points", va="center", fontsize=8)
+    ax1.set_xlim(0, table["img/s"].max() * 1.6)
+    ax1.set_xlabel("images / s")
+    tf = table["TFLOP/s"].astype(float)
+    bars = ax2.barh(names, tf, color="C1")
+    _label_bars(ax2, bars, "{:.3g}")
+    top = tf.max()
+    if ceiling is not None:
+        ax2.axvline(ceiling.tflops, color="C3", ls="--", lw=1.2,
+                    label=f"measured ceiling of this step: {ceiling.tflops:.3g} TFLOP/s")
+        top = max(top, ceiling.tflops)
+        if ceiling.datasheet is not None:
+            ax2.axvline(ceiling.datasheet.tflops, color="k", ls=":", lw=1.2, label=f"datasheet: {ceiling.datasheet}")
+            top = max(top, ceiling.datasheet.tflops)
+        ax2.legend(fontsize=7, loc="lower right")
+    ax2.set_xlim(0, top * 1.15)
+    ax2.set_xlabel("achieved TFLOP/s (each step's own FLOPs)")
+    fig.tight_layout()
+    return _suptitle(fig, title, label)
+
+
+def ceiling_figure(c, *, top: int = 12, label: str | None = None,
+                   title: str = "The measured ceiling: this model's convolutions, each timed alone") -> "plt.Figure":
+    """The conv shapes that take most of the step's conv time, each at the TFLOP/s it reaches alone
+    (forward + backward), with the large-matmul rate, the convs' overall rate and the datasheet peak."""
+    set_style()
+    df = c.shapes.head(top).iloc[::-1]
+    fig, ax = plt.subplots(figsize=(9, 0.38 * len(df) + 2.0))
+    bars = ax.barh([f"{s}  x{n}" for s, n in zip(df["shape"], df["count"])], df["TFLOP/s"], color="C0")
+    for b, share in zip(bars, df["share of conv time"]):
+        ax.annotate(f"{b.get_width():.3g}  ({100 * share:.0f}% of conv time)", (b.get_width(), b.get_y() + b.get_height() / 2),
+                    xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+    lines = [(c.conv_tflops, "C0", "--", f"all convs: {c.conv_tflops:.3g} TFLOP/s"),
+             (c.matmul_tflops, "C2", "-.", f"{c.matmul_n}x{c.matmul_n} matmul: {c.matmul_tflops:.3g} TFLOP/s")]
+    if c.datasheet is not None:
+        lines.append((c.datasheet.tflops, "k", ":", f"datasheet: {c.datasheet}"))
+    for x, color, ls, text in lines:
+        ax.axvline(x, color=color, ls=ls, lw=1.2, label=text)
+    ax.set_xlim(0, max(x for x, *_ in lines + [(df["TFLOP/s"].max(),)]) * 1.35)
+    ax.set_xlabel(f"TFLOP/s, forward + backward, {c.precision}" + (", channels_last" if c.channels_last else ""))
+    ax.legend(fontsize=7, loc="lower right")
+    _title(ax, f"{title}\n{c.model}, batch {c.batch_size}: the {min(top, len(c.shapes))} shapes with most conv time", label)
+    fig.tight_layout()
+    return fig
+
+
+def grids_side_by_side(grids: dict, *, title: str, label: str | None = None) -> "plt.Figure":
+    """Batches of images in [-1, 1], one grid per (heading -> batch), side by side: e.g. the samples of
+    two runs drawn with the same seed, so that they compare image by image."""
+    from torchvision.utils import make_grid
+
+    set_style()
+    fig, axes = plt.subplots(1, len(grids), figsize=(4.2 * len(grids), 4.9), squeeze=False)
+    for ax, (heading, images) in zip(axes[0], grids.items()):
+        images = images.detach().float().cpu().clamp(-1, 1)
+        nrow = max(1, int(round(images.shape[0] ** 0.5)))
+        grid = make_grid((images + 1) / 2, nrow=nrow, padding=1, pad_value=1.0)
+        ax.imshow(grid.permute(1, 2, 0).numpy(), interpolation="nearest")
+        ax.set_axis_off()
+        ax.set_title(_wrap(heading, 4.2), fontsize=9)
+    return _suptitle(fig, _wrap(title, 4.2 * len(grids)), label, fontsize=9)

@@ -51,11 +51,12 @@ WORK = "_work"  # scratch inside the folder (runs, per-notebook results): never 
 NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_BUDGET_S on one H100
     "nb-00-01": ["00", "01"],  # 01 trains the paper's model for 4 minutes (TRAIN_SECONDS) and samples 1000 steps
     "nb-02": ["02"],
-    "nb-03": ["03"],  # "03" includes 03b_memory (and its largest-batch searches)
+    "nb-03": ["03", "03b"],  # 03b_memory runs largest-batch searches
     "nb-04": ["04"],  # compiles three modes, then its solutions compile more (CUDA graphs at two batches, max-autotune)
     "nb-05-06": ["05", "06"],
     "nb-07-08": ["07", "08"],  # 07 compiles its step
     "nb-09": ["09"],  # seven compiled stages
+    "nb-09b": ["09b"],  # the peers (diffusers, lucidrains: their wheels, scripts/gpu_wheels.sh), the ceiling, the quality runs
     "nb-10": ["10"],
 }
 PARTS = ["meta", "gpu-tests", *NOTEBOOK_PARTS, "pack"]
@@ -341,10 +342,9 @@ def _env(out: Path) -> dict[str, str]:
 
 
 def _part_notebooks(out: Path, smoke: bool, prefixes: list[str], only: Sequence[str] | None) -> dict:
-    from .series import list_notebooks, run_notebook, temporary_env
+    from .series import run_notebook, select, temporary_env
 
-    chosen = [nb for nb in list_notebooks() if any(nb.name.startswith(p) for p in prefixes)
-              and (not only or any(nb.name.startswith(o) for o in only))]
+    chosen = [nb for nb in select(prefixes) if not only or nb in select(list(only))]
     seconds = {}
     with temporary_env(_env(out)):
         for nb in chosen:
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--full", action="store_true", help="full mode (default with a GPU)")
     r.add_argument("--out", default=None, help="the reference folder (default: data/reference/<gpu>)")
     r.add_argument("--parts", nargs="+", default=None, choices=PARTS, help=f"parts to run (default: all: {PARTS})")
-    r.add_argument("--notebooks", nargs="+", default=None, help="only these notebook number prefixes")
+    r.add_argument("--notebooks", nargs="+", default=None, help="only these notebooks: numbers (03 03b) or name prefixes (03_batch)")
     r.add_argument("--force", action="store_true", help="redo parts already done")
     k = sub.add_parser("pack", help="pack a reference folder into <folder>.tar.gz")
     k.add_argument("folder")

@@ -17,7 +17,14 @@ ipykernel ipython ipython_pygments_lexers traitlets comm debugpy tenacity entryp
 jsonschema jsonschema-specifications referencing rpds-py attrs click PyYAML requests charset-normalizer idna urllib3
 certifi decorator jedi parso pexpect ptyprocess prompt_toolkit wcwidth Pygments stack-data executing asttokens
 pure_eval matplotlib-inline nest-asyncio2 platformdirs python-dateutil pytest pluggy iniconfig tqdm psutil
-ipywidgets widgetsnbextension jupyterlab_widgets packaging typing_extensions six"
+ipywidgets widgetsnbextension jupyterlab_widgets packaging typing_extensions six
+diffusers huggingface_hub safetensors filelock regex httpx2 httpcore2 anyio h11 truststore
+denoising-diffusion-pytorch accelerate einops ema-pytorch defusedxml"
+# The peers of notebook 09b (bench_peers) above are about 9 MB. denoising-diffusion-pytorch also imports
+# scipy (35 MB), which would take the carry past its 64 MB: it is added only with PEERS_SCIPY=1, for a
+# GPU machine whose python lacks scipy (check there first: python3 -c "import scipy"). Without it,
+# bench_peers reports lucidrains as "not installed" and measures the others.
+[ "${PEERS_SCIPY:-0}" = 1 ] && NAMES="$NAMES scipy"
 freeze=$("$PY" -m pip freeze 2>/dev/null)
 specs=()
 for n in $NAMES; do

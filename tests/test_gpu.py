@@ -315,3 +315,34 @@ def test_a_16_gb_cap_makes_the_gpu_refuse_more_and_the_fast_preset_size_for_it(m
     with pytest.raises(torch.OutOfMemoryError):
         torch.empty(int(20 * 2**30), dtype=torch.uint8, device="cuda")
     torch.empty(int(8 * 2**30), dtype=torch.uint8, device="cuda")  # under the cap: fine
+
+
+def test_the_ceiling_on_the_gpu_times_the_models_convs_in_bf16_and_names_the_datasheet(tmp_path):
+    """Notebook 09b's ceiling: CUDA-event timing of each conv shape with cuDNN autotuning; its conv FLOPs are
+    the step's (the CPU test checks the same), and a known GPU gets its datasheet peak beside it."""
+    from ddpm_core import ceiling
+
+    c = ceiling.measure("tiny", batch_size=8, device="cuda", iters=3, warmup=1, matmul_n=1024, progress=False)
+    assert c.precision == "bf16" and 0 < c.conv_flops < c.step_flops
+    assert math.isfinite(c.tflops) and c.tflops > 0 and c.matmul_tflops > 0
+    if bench.peak_for("cuda", "bf16")[0] is not None:
+        assert c.datasheet is not None and c.mfu(c.tflops)["vs_datasheet"] < 1
+
+
+@pytest.mark.slow
+def test_bench_peers_and_the_quality_check_run_on_the_gpu_with_the_compiled_fast_step(tmp_path, capsys, synthetic_folder,
+                                                                                      data_root):
+    """09b's two long paths on a GPU: TrainConfig.fast() compiles with CUDA graphs there (not on a CPU)."""
+    from ddpm_core import bench_peers, quality, results
+
+    out = tmp_path / "peers.csv"
+    assert bench_peers.main(["--smoke", "--device", "cuda", "--fast-batch", "8", "--out", str(out)]) == 0
+    rows = results.load(out)
+    assert {"ours: baseline", "ours: fast", "ours: fast, batch 8"} <= set(rows["variant"]), capsys.readouterr().out
+    assert not rows["device_name"].str.startswith("CPU").any()
+    r = quality.run(model="tiny", steps=12, batch_size=4, lr=1e-3, warmup_steps=0, ema_decay=0.9, dataset="synthetic",
+                    data_root=data_root, synthetic_size=256, heldout_batches=1, n_samples=4, sample_steps=5, device="cuda",
+                    out_dir=tmp_path / "q", progress=False)
+    fast = [a for a in r.arms.values() if a["kind"] == "fast"][0]
+    assert fast["precision"] == "bf16" and all(len(c) == 12 for c in r.curves.values())
+    assert all(math.isfinite(v) for v in r.heldout["loss"]) and r.verdict()

@@ -14,7 +14,7 @@ def test_the_series_is_complete_and_in_order():
     names = [nb.stem for nb in NOTEBOOKS]
     assert names == ["00_setup", "01_build_the_ddpm", "02_profile_the_baseline", "03_batch_size", "03b_memory", "04_torch_compile",
                      "05_sdpa_attention", "06_mixed_precision", "07_data_loading", "08_multi_gpu",
-                     "09_putting_it_together", "10_optimizers_and_normalization"]
+                     "09_putting_it_together", "09b_the_fastest_step", "10_optimizers_and_normalization"]
 
 
 def test_the_readme_table_lists_every_notebook_and_figure():
