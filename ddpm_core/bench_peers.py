@@ -162,13 +162,16 @@ def run(batch_size: int | None = None, smoke: bool = False, rounds: int = 5, ite
         device: str = "auto", fast_batch: int | None = None) -> tuple[bench.Comparison, list[str]]:
     """Every contender side by side at ``batch_size`` (default: the paper's 128 on a GPU, which fits a 16 GB
     card in fp32; 16 on a CPU, 4 in smoke mode), and ``TrainConfig.fast()`` at ``fast_batch`` too (default
-    on a GPU: the batch ``TrainConfig.fast()`` picks for its memory)."""
+    on a GPU of 40 GB or more: the batch ``TrainConfig.fast()`` picks for its memory)."""
+    from .env import gpu_memory_gib
     from .train import TrainConfig
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if batch_size is None:
         batch_size = 4 if smoke else (128 if dev.type == "cuda" else 16)
-    if fast_batch is None and dev.type == "cuda" and not smoke:
+    if fast_batch is None and dev.type == "cuda" and not smoke and gpu_memory_gib(str(dev)) >= 40:
+        # Below 40 GB the five contenders' states and CUDA-graph pools would not fit beside a second fast
+        # batch: the fast configuration's own batch is then measured in notebook 09 only.
         fast_batch = TrainConfig.fast(device=str(dev)).batch_size
     variants, skipped = contenders(batch_size, dev, smoke, fast_batch)
     if not variants:
@@ -182,8 +185,9 @@ def same_network(name: str, smoke: bool) -> bool:
     return name.startswith("ours:") or (name == "diffusers" and not smoke)
 
 
-def ceiling_column(table, ceiling, smoke: bool) -> str:
-    """Add to ``table`` (a Comparison.table()) each contender's share of the measured ceiling; return the column's name."""
+def ceiling_column(table, ceiling, smoke: bool, measurements: list[bench.Measurement]) -> str:
+    """Add to ``table`` (a Comparison.table(), one row per measurement in order) each contender's share of the
+    measured ceiling, from its unrounded TFLOP/s; return the column's name."""
 
     def share(variant: str, tflops: Any) -> str:
         if not same_network(variant, smoke):
@@ -191,7 +195,7 @@ def ceiling_column(table, ceiling, smoke: bool) -> str:
         return "n/a" if tflops is None or tflops != tflops else f"{100 * tflops / ceiling.tflops:.1f}%"
 
     name = f"of measured {ceiling.precision} ceiling"
-    table[name] = [share(v, tf) for v, tf in zip(table["variant"], table["TFLOP/s"])]
+    table[name] = [share(m.name, m.tflops) for m in measurements]
     return name
 
 
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         ceil = ceiling.measure("tiny" if args.smoke else "ddpm-cifar10", first.batch_size, device=first.device,
                                iters=3 if args.smoke else 20, warmup=1 if args.smoke else 5,
                                matmul_n=256 if args.smoke else None, progress=False)
-        columns.insert(-1, ceiling_column(table, ceil, args.smoke))
+        columns.insert(-1, ceiling_column(table, ceil, args.smoke, comparison.measurements))
     print(f"{label(comparison.measurements[0].device)}{' (smoke)' if args.smoke else ''}")
     print(table[columns].to_string(index=False))
     print(comparison.report().replace("**", ""))

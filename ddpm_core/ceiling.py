@@ -154,6 +154,20 @@ class Ceiling:
         return {"vs_datasheet": tflops / self.datasheet.tflops if self.datasheet else None,
                 "vs_ceiling": tflops / self.tflops}
 
+    @property
+    def noise_reasons(self) -> list[str]:
+        """Why these rates are rough: the machine's load, and shapes whose repeats spread widely."""
+        reasons = list(self.noise.reasons) if self.noise is not None else []
+        wide = int((self.shapes["spread"] > bench.NOISY_SPREAD).sum()) if "spread" in self.shapes else 0
+        if wide:
+            reasons.append(f"the repeats of {wide} of the {len(self.shapes)} shapes spread by more than "
+                           f"{bench.NOISY_SPREAD:.0%} of their median")
+        return reasons
+
+    @property
+    def noisy(self) -> bool:
+        return bool(self.noise_reasons)
+
     def summary(self) -> str:
         """What was measured, in sentences made from the numbers."""
         conv_share = self.conv_flops / self.step_flops if self.step_flops else 0.0
@@ -168,13 +182,8 @@ class Ceiling:
                   f"the rest only a better kernel could win.")
         else:
             s += f" {self.why_no_datasheet}."
-        reasons = list(self.noise.reasons) if self.noise is not None else []
-        wide = int((self.shapes["spread"] > bench.NOISY_SPREAD).sum()) if "spread" in self.shapes else 0
-        if wide:
-            reasons.append(f"the repeats of {wide} of the {len(self.shapes)} shapes spread by more than "
-                           f"{bench.NOISY_SPREAD:.0%} of their median")
-        if reasons:
-            s += " Measured on a noisy machine, so take these rates as rough: " + "; ".join(reasons) + "."
+        if self.noisy:
+            s += " Measured on a noisy machine, so take these rates as rough: " + "; ".join(self.noise_reasons) + "."
         return s
 
     def rows(self) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import torch
 
 from .atomic import atomic_write_bytes
@@ -571,13 +572,20 @@ def quality_band(result, *, label: str | None = None,
     from .quality import smooth
 
     set_style()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 5.4), gridspec_kw={"width_ratios": [3, 1]})
     band, arms = result.band, result.arms
     base = [n for n, a in arms.items() if a["kind"] == "baseline"]
     fast = next(n for n, a in arms.items() if a["kind"] == "fast")
-    for i, name in enumerate(base):
+    twin = arms[fast].get("twin")
+    smoothed = "smoothed" if result.window > 1 else "not smoothed: too few steps"
+    others = [n for n in base if n != twin]
+    for i, name in enumerate(others):
         s = smooth(result.curves[name], result.window)
-        ax.plot(s.index, s.values, color="C0", alpha=0.35, lw=0.8, label="baseline seeds (smoothed)" if i == 0 else None)
+        ax.plot(s.index, s.values, color="C0", alpha=0.35, lw=0.8,
+                label=f"the other baseline seeds ({smoothed})" if i == 0 else None)
+    if twin in base:
+        s = smooth(result.curves[twin], result.window)
+        ax.plot(s.index, s.values, color="C0", lw=1.4, label=f"{twin}: the fast run's twin")
     ax.fill_between(band["step"], band["low"], band["high"], color="C0", alpha=0.25, lw=0,
                     label=f"baseline band ({len(base)} seeds, min-max)")
     ax.plot(band["step"], band["fast"], color="C3", ls="--", lw=1.6,
@@ -588,9 +596,12 @@ def quality_band(result, *, label: str | None = None,
     if len(unjudged):
         ax.axvspan(band["step"].min(), unjudged.max(), color="C7", alpha=0.12, lw=0, label="warm-up, not judged")
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 0.2, 0.3, 0.5, 1: plain numbers
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"loss (rolling mean of {result.window} step{'s' if result.window != 1 else ''})")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.34), ncol=2, frameon=False)  # off the curves
+    ax.set_ylabel(f"loss (rolling mean of {result.window} steps)" if result.window > 1 else "loss (not smoothed)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)  # off the curves
     data = result.dataset or result.config.get("dataset")
     ax.set_title(f"training loss{f', {data}' if data else ''}", fontsize=9)
 
@@ -604,11 +615,15 @@ def quality_band(result, *, label: str | None = None,
     ax2.set_xticks([0, 1], [f"baseline\n({len(base)} seeds)", "fast"])
     ax2.set_xlim(-0.5, 1.8)
     ax2.set_ylabel("held-out loss, EMA weights")
-    ax2.set_title("held-out batches\n(same t and noise for every arm)", fontsize=9)
+    ax2.set_title("held-out batches\n(same t and noise for every run)", fontsize=9)
     ax2.margins(y=0.3)
     steps, batch = result.config.get("steps"), result.config.get("batch_size")
-    verdict = "passed" if result.passed else "FAILED"
-    head = f"{title}\n{steps} steps x batch {batch} per arm; {verdict} (see QualityResult.verdict)"
+    if math.isfinite(result.within_spread):
+        verdict = (f"{'passed' if result.passed else 'FAILED'}: within the seeds' spread of its twin at "
+                   f"{100 * result.within_spread:.0f}% of judged steps")
+    else:
+        verdict = f"{'passed' if result.passed else 'FAILED'}: inside the band at {100 * result.inside:.0f}% of judged steps"
+    head = f"{title}\n{steps} steps x batch {batch} per run; {verdict}"
     return _suptitle(fig, head, label if label is not None else result.label)
 
 
@@ -635,7 +650,9 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
     top = tf.max()
     if ceiling is not None:
         ax2.axvline(ceiling.tflops, color="C3", ls="--", lw=1.2,
-                    label=f"measured ceiling of this step: {ceiling.tflops:.3g} TFLOP/s")
+                    label=f"measured ceiling of our step ({ceiling.precision}"
+                          f"{', channels_last' if ceiling.channels_last else ''}, batch {ceiling.batch_size}): "
+                          f"{ceiling.tflops:.3g} TFLOP/s")
         top = max(top, ceiling.tflops)
         if ceiling.datasheet is not None:
             ax2.axvline(ceiling.datasheet.tflops, color="k", ls=":", lw=1.2, label=f"datasheet: {ceiling.datasheet}")
@@ -657,7 +674,8 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
     bars = ax.barh([f"{s}  x{n}" for s, n in zip(df["shape"], df["count"])], df["TFLOP/s"], color="C0")
     for b, share in zip(bars, df["share of conv time"]):
         ax.annotate(f"{b.get_width():.3g}  ({100 * share:.0f}% of conv time)", (b.get_width(), b.get_y() + b.get_height() / 2),
-                    xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+                    xytext=(3, 0), textcoords="offset points", va="center", fontsize=7, zorder=5,
+                    bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.85))
     lines = [(c.conv_tflops, "C0", "--", f"all convs: {c.conv_tflops:.3g} TFLOP/s"),
              (c.matmul_tflops, "C2", "-.", f"{c.matmul_n}x{c.matmul_n} matmul: {c.matmul_tflops:.3g} TFLOP/s")]
     if c.datasheet is not None:

@@ -53,8 +53,8 @@ def smooth(curve: Sequence[tuple[int, float]], window: int):
 
 
 def window_for(steps: int) -> int:
-    """The smoothing window: a twentieth of the run, at least 1 step."""
-    return max(1, steps // 20)
+    """The smoothing window: a twentieth of the run, at least 3 steps (MIN_STEPS is 10)."""
+    return max(3, steps // 20)
 
 
 def band(baselines: Sequence[Sequence[tuple[int, float]]], fast: Sequence[tuple[int, float]], window: int,
@@ -174,7 +174,7 @@ class QualityResult:
         gap, spread = self.heldout_gap, hi - lo
         head = ("Going fast changes the loss less than changing the seed" if self.passed else
                 "Going fast changes the loss MORE than changing the seed")
-        s = (f"{head}: the fast run's smoothed loss is within the seeds' spread (band high - low) of its same-seed "
+        s = (f"{head}: the fast run's smoothed loss is within the seeds' spread (the band's width) of its same-seed "
              f"twin, {twin}, at {100 * self.within_spread:.0f}% of steps, and its held-out EMA loss {ho:.4f} differs "
              f"from the twin's by {gap:.4f}, {'within' if gap <= spread else 'outside'} the seeds' spread {spread:.4f}. "
              f"Against the band itself, {band}.")
