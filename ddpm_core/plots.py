@@ -657,7 +657,7 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
         if ceiling.datasheet is not None:
             ax2.axvline(ceiling.datasheet.tflops, color="k", ls=":", lw=1.2, label=f"datasheet: {ceiling.datasheet}")
             top = max(top, ceiling.datasheet.tflops)
-        ax2.legend(fontsize=7, loc="lower right")
+        ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)  # below: off the bars
     ax2.set_xlim(0, top * 1.15)
     ax2.set_xlabel("achieved TFLOP/s (each step's own FLOPs)")
     fig.tight_layout()
