@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="small models, few steps: a CPU check of the whole path")
     p.add_argument("--batch-size", type=int, default=None, help="per step (default: 128 on a GPU, 16 on a CPU, 4 in smoke)")
     p.add_argument("--fast-batch", type=int, default=None,
-                   help="also TrainConfig.fast() at this batch (default on a GPU: the one it picks for the GPU's memory)")
+                   help="also TrainConfig.fast() at this batch (default on a GPU of 40 GB or more: the one it picks for it)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-ceiling", action="store_true", help="skip the measured ceiling (ddpm_core.ceiling)")
@@ -224,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_ceiling:
         from . import ceiling
 
-        first = comparison.measurements[0]
-        ceil = ceiling.measure("tiny" if args.smoke else "ddpm-cifar10", first.batch_size, device=first.device,
+        # at the largest batch measured, as notebook 09b does: the yardstick of the fast step
+        ceil = ceiling.measure("tiny" if args.smoke else "ddpm-cifar10", max(m.batch_size for m in comparison.measurements),
+                               device=comparison.measurements[0].device,
                                iters=3 if args.smoke else 20, warmup=1 if args.smoke else 5,
                                matmul_n=256 if args.smoke else None, progress=False)
         columns.insert(-1, ceiling_column(table, ceil, args.smoke, comparison.measurements))

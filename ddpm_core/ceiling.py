@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -80,7 +80,7 @@ def conv_shapes(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> Cou
 
 
 def _conv_step(shape: ConvShape, dtype: torch.dtype, device: torch.device, memory_format: torch.memory_format):
-    """A forward + backward of one convolution shape, as a training step runs it; returns (fn, args)."""
+    """A forward + backward of one convolution shape, as a training step runs it: a no-argument callable."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape.input, generator=g).to(device, dtype).contiguous(memory_format=memory_format)
     w = (torch.randn(shape.weight, generator=g) * 0.05).to(device, dtype).contiguous(memory_format=memory_format)
@@ -191,7 +191,7 @@ class Ceiling:
         return [{"variant": f"measured ceiling ({self.precision})", "device_name": self.device_name,
                  "torch_version": torch.__version__, "precision": self.precision, "batch_size": self.batch_size,
                  "model": self.model, "median_ms": self.ceiling_ms, "images_per_s": self.images_per_s,
-                 "tflops": self.tflops, "ceiling_tflops": self.tflops, "ceiling_images_per_s": self.images_per_s,
+                 "tflops": self.tflops, "ceiling_tflops": self.tflops,
                  "conv_tflops": self.conv_tflops, "matmul_tflops": self.matmul_tflops,
                  "datasheet_tflops": self.datasheet.tflops if self.datasheet else None,
                  "peak": str(self.datasheet) if self.datasheet else None}]
@@ -228,7 +228,7 @@ def measure(model: str = "ddpm-cifar10", batch_size: int = 256, precision: str |
     steps_t = torch.randint(0, t.cfg.timesteps, (probe,), device=dev)
     shapes = Counter()
     for shape, count in conv_shapes(t.model, t.diffusion.q_sample(x, steps_t), steps_t).items():
-        shapes[ConvShape((batch_size, *shape.input[1:]), *astuple(shape)[1:])] += count
+        shapes[replace(shape, input=(batch_size, *shape.input[1:]))] += count
     del t
 
     import pandas as pd

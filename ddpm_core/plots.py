@@ -37,13 +37,18 @@ def savefig(fig: "plt.Figure", name: str, dpi: int = 150) -> Path:
     return path
 
 
-def image_grid_figure(images: torch.Tensor, title: str | None = None, nrow: int | None = None) -> "plt.Figure":
-    """A figure of a batch of images in [-1, 1] laid out as a grid."""
+def _grid(images: torch.Tensor, nrow: int | None = None) -> tuple[torch.Tensor, int]:
+    """A batch of images in [-1, 1] as one (3, H, W) grid in [0, 1], about square; and its row length."""
     from torchvision.utils import make_grid
 
     images = images.detach().float().cpu().clamp(-1, 1)
     nrow = nrow or max(1, int(round(images.shape[0] ** 0.5)))
-    grid = make_grid((images + 1) / 2, nrow=nrow, padding=1, pad_value=1.0)
+    return make_grid((images + 1) / 2, nrow=nrow, padding=1, pad_value=1.0), nrow
+
+
+def image_grid_figure(images: torch.Tensor, title: str | None = None, nrow: int | None = None) -> "plt.Figure":
+    """A figure of a batch of images in [-1, 1] laid out as a grid."""
+    grid, nrow = _grid(images, nrow)
     side = max(4.0, 0.55 * nrow)
     fig, ax = plt.subplots(figsize=(side, side * grid.shape[1] / grid.shape[2] + 0.4))
     ax.imshow(grid.permute(1, 2, 0).numpy(), interpolation="nearest")
@@ -693,14 +698,10 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
 def grids_side_by_side(grids: dict, *, title: str, label: str | None = None) -> "plt.Figure":
     """Batches of images in [-1, 1], one grid per (heading -> batch), side by side: e.g. the samples of
     two runs drawn with the same seed, so that they compare image by image."""
-    from torchvision.utils import make_grid
-
     set_style()
     fig, axes = plt.subplots(1, len(grids), figsize=(4.2 * len(grids), 4.9), squeeze=False)
     for ax, (heading, images) in zip(axes[0], grids.items()):
-        images = images.detach().float().cpu().clamp(-1, 1)
-        nrow = max(1, int(round(images.shape[0] ** 0.5)))
-        grid = make_grid((images + 1) / 2, nrow=nrow, padding=1, pad_value=1.0)
+        grid, _ = _grid(images)
         ax.imshow(grid.permute(1, 2, 0).numpy(), interpolation="nearest")
         ax.set_axis_off()
         ax.set_title(_wrap(heading, 4.2), fontsize=9)

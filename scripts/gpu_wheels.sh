@@ -24,7 +24,7 @@ denoising-diffusion-pytorch accelerate einops ema-pytorch defusedxml"
 # scipy (35 MB), which would take the carry past its 64 MB: it is added only with PEERS_SCIPY=1, for a
 # GPU machine whose python lacks scipy (check there first: python3 -c "import scipy"). Without it,
 # bench_peers reports lucidrains as "not installed" and measures the others.
-[ "${PEERS_SCIPY:-0}" = 1 ] && NAMES="$NAMES scipy"
+if [ "${PEERS_SCIPY:-0}" = 1 ]; then NAMES="$NAMES scipy"; fi
 freeze=$("$PY" -m pip freeze 2>/dev/null)
 specs=()
 for n in $NAMES; do
