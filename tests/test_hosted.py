@@ -87,9 +87,14 @@ def test_on_a_fresh_runtime_the_cell_clones_installs_and_the_series_imports(tmp_
     venv = tmp_path / "runtime"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    # the project's environment's packages as the runtime's preinstalled ones: on PYTHONPATH, its .pth files (the
-    # editable ddpm_core among them) are not read, so ddpm_core itself is not importable
-    env = {"HOME": str(tmp_path / "home"), "PATH": os.environ["PATH"], "PYTHONPATH": sysconfig.get_paths()["purelib"],
+    # the project's environment's packages as the runtime's preinstalled ones, on PYTHONPATH, without the editable
+    # ddpm_core (its .pth and finder module, whose name the clone's editable install reuses)
+    preinstalled = tmp_path / "preinstalled"
+    preinstalled.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(("__editable__", "ddpm_core")):
+            (preinstalled / entry.name).symlink_to(entry)
+    env = {"HOME": str(tmp_path / "home"), "PATH": os.environ["PATH"], "PYTHONPATH": str(preinstalled),
            "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     (tmp_path / "home").mkdir()
     probe = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec('ddpm_core'))"],
