@@ -164,8 +164,8 @@ def _countable(fn: Callable) -> Iterator[None]:
 
     owner = getattr(fn, "__self__", None)
     saved_loss = None
-    if owner is not None and hasattr(owner, "_loss_eager") and hasattr(owner, "_loss"):
-        saved_loss, owner._loss = owner._loss, owner._loss_eager
+    if owner is not None and hasattr(owner, "loss_eager") and hasattr(owner, "loss_fn"):
+        saved_loss, owner.loss_fn = owner.loss_fn, owner.loss_eager
     blocks = [m for model in _owner_models(fn) for m in model.modules() if isinstance(m, AttnBlock)]
     saved_attn = [b.attention for b in blocks]
     for b in blocks:
@@ -176,7 +176,7 @@ def _countable(fn: Callable) -> Iterator[None]:
         for b, a in zip(blocks, saved_attn):
             b.attention = a
         if saved_loss is not None:
-            owner._loss = saved_loss
+            owner.loss_fn = saved_loss
 
 
 def _sdpa_fallback_mapping() -> dict:

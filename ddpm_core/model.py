@@ -319,9 +319,13 @@ class UNet(nn.Module):
     # attention block keeps only its inputs for backward and recomputes its insides there
     # (torch.utils.checkpoint, non-reentrant; the dropout masks are replayed exactly).
     activation_checkpointing: bool = False
+    # The kinds of block that activation checkpointing applies to: set it to (AttnBlock,) to checkpoint only the
+    # attention blocks (03b, Exercise 2).
+    checkpoint_blocks: tuple[type[nn.Module], ...] = (ResBlock, AttnBlock)
 
     def _block(self, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+        if (self.activation_checkpointing and self.training and torch.is_grad_enabled()
+                and isinstance(module, self.checkpoint_blocks)):
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(module, *args, use_reentrant=False)

@@ -364,9 +364,12 @@ class EMA:
 class Trainer:
     """What ``build(cfg)`` returns: the model, the diffusion, the optimizer and ``train_step``."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, *, ddp: bool | None = None):
         self.cfg = cfg
         self.rank, self.world_size = _dist_info()
+        if ddp and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("ddp=True wraps the model in DistributedDataParallel, which needs a process group: call "
+                             "torch.distributed.init_process_group(...) first (a group of one process will do).")
         self.device = resolve_device(cfg.device)
         check_precision(cfg.precision, self.device)
         if self.device.type == "cuda":
@@ -385,7 +388,7 @@ class Trainer:
         self.ema = EMA(model, cfg.ema_decay) if cfg.ema_decay else None
 
         self.net: nn.Module = model
-        if self.world_size > 1:
+        if ddp or (ddp is None and self.world_size > 1):
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             bucket = {} if cfg.ddp_bucket_cap_mb is None else {"bucket_cap_mb": cfg.ddp_bucket_cap_mb}
@@ -401,12 +404,15 @@ class Trainer:
         # t and eps come from their own generator (seed + rank), saved in checkpoints, so a
         # resumed run draws exactly what the uninterrupted one would have drawn.
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed + self.rank)
-        self._loss = self._loss_eager
+        # What train_step calls for the forward pass and the loss: loss_eager itself, or its compiled version.
+        # Assign another callable of the same signature to swap it (04's recording backend does).
+        self.loss_fn = self.loss_eager
         if cfg.compile:
-            self._loss = torch.compile(self._loss_eager, mode=cfg.compile)
+            self.loss_fn = torch.compile(self.loss_eager, mode=cfg.compile)
         self.step = 0
 
-    def _loss_eager(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    def loss_eager(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """The forward pass and the DDPM loss, never compiled: what ``compile=...`` hands to ``torch.compile``."""
         return self.diffusion.loss(self.net, x0, t, noise)
 
     def _autocast(self):
@@ -434,7 +440,7 @@ class Trainer:
         phase = torch.profiler.record_function  # labels the phases in profiler traces (PHASES); ~1 us each otherwise
         with backend_flags(tf32=self.cfg.precision != "fp32", cudnn_benchmark=self.cfg.cudnn_benchmark):
             with phase("train_step/forward"), self._autocast():
-                loss = self._loss(x, t, noise)
+                loss = self.loss_fn(x, t, noise)
             with phase("train_step/backward"):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scaler.scale(loss).backward()
@@ -628,9 +634,14 @@ def load_checkpoint_file(path: str | os.PathLike, device: torch.device | str = "
     return torch.load(path, map_location=device, weights_only=True)
 
 
-def build(cfg: TrainConfig) -> Trainer:
-    """A ``Trainer`` for ``cfg``: ``t.model``, ``t.diffusion``, ``t.optimizer``, ``t.train_step(x)``."""
-    return Trainer(cfg)
+def build(cfg: TrainConfig, *, ddp: bool | None = None) -> Trainer:
+    """A ``Trainer`` for ``cfg``: ``t.model``, ``t.diffusion``, ``t.optimizer``, ``t.train_step(x)``.
+
+    ``ddp``: wrap the model in DistributedDataParallel (``t.net``). None (the default) wraps it when this process is
+    one of several in a process group (a torchrun launch); True wraps it in any initialized group, a group of one
+    process included, which builds the same DDP (buckets, hooks) as a launch on one machine; False never wraps it.
+    """
+    return Trainer(cfg, ddp=ddp)
 
 
 # ------------------------------------------------------------------------------ the loop

@@ -36,10 +36,10 @@ def test_counting_a_compiled_trainer_counts_the_eager_step_and_restores_it(tmp_p
     t = build(tiny_config(tmp_path))
     eager = bench.count_flops(t.train_step, torch.zeros(2, 3, 32, 32))
     sentinel = object()
-    t._loss = sentinel  # stands in for a compiled function
-    t._loss_eager = build(tiny_config(tmp_path))._loss_eager
+    t.loss_fn = sentinel  # stands in for a compiled function
+    t.loss_eager = build(tiny_config(tmp_path)).loss_eager
     assert bench.count_flops(t.train_step, torch.zeros(2, 3, 32, 32)) == eager
-    assert t._loss is sentinel
+    assert t.loss_fn is sentinel
 
 
 def test_measure_of_a_10ms_step_reports_10ms_and_times_the_first_call_apart():

@@ -109,13 +109,13 @@ def test_tf32_is_on_exactly_during_the_steps_of_a_tf32_trainer(tmp_path, precisi
 
     t = build(tiny_config(tmp_path, device="cuda", precision=precision))
     seen = {}
-    eager = t._loss
+    eager = t.loss_fn
 
     def spy(*args):
         seen.update(flags=_tf32_flags(), errors=errors())
         return eager(*args)
 
-    t._loss = spy
+    t.loss_fn = spy
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32  # the opposite
     t.train_step(_batch())
     assert seen["flags"] == (tf32, tf32)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ddpm_core import bench, memory
+from ddpm_core.model import AttnBlock
 from ddpm_core.train import build
 from helpers import tiny_config
 
@@ -68,6 +69,13 @@ def test_activation_checkpointing_learns_the_same_weights_and_saves_most_activat
     assert runs[True][0] == runs[False][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))  # the dropout masks were replayed
     assert runs[True][2] < 0.5 * runs[False][2]
+    # checkpoint_blocks narrows it to some kinds of block (03b, Exercise 2): the attention blocks alone save less
+    t = build(tiny_config(tmp_path, batch_size=4, activation_checkpointing=True))
+    t.model.checkpoint_blocks = (AttnBlock,)
+    torch.manual_seed(3)
+    assert float(t.train_step(x, t_, noise)) == runs[False][0]
+    saved, _ = bench.saved_tensor_bytes(t.train_step, x)
+    assert runs[True][2] < saved < runs[False][2]
 
 
 def test_batch_that_fits_is_the_budget_left_by_the_fixed_state():

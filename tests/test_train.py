@@ -94,7 +94,7 @@ def test_compile_path_runs_on_cpu_and_matches_eager(tmp_path, synthetic_batch):
     for _ in range(2):
         a, b = eager.train_step(x, ts, noise), compiled.train_step(x, ts, noise)
         assert float(b) == pytest.approx(float(a), rel=1e-3, abs=1e-5)
-    assert compiled._loss is not compiled._loss_eager
+    assert compiled.loss_fn is not compiled.loss_eager
 
 
 @pytest.mark.parametrize("optimizer, lr, kw", [
@@ -244,14 +244,14 @@ def test_the_returned_loss_is_a_copy_and_cudagraph_steps_are_marked(tmp_path, mo
     train() keeps losses across steps, so train_step must return a copy and mark each new step."""
     t = build(tiny_config(tmp_path))
     produced = []
-    eager = t._loss
+    eager = t.loss_fn
 
     def spy(*a):
         out = eager(*a)
         produced.append(out)
         return out
 
-    t._loss = spy
+    t.loss_fn = spy
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     x = torch.rand(8, 3, 32, 32) * 2 - 1
@@ -272,14 +272,14 @@ def test_tf32_and_cudnn_benchmark_hold_during_the_step_and_are_restored_after(tm
     """TF32 used to be set for good (and only on CUDA): a bf16 trainer left it on for the next fp32 one."""
     t = build(tiny_config(tmp_path, precision=precision, cudnn_benchmark=bench_flag))
     seen = {}
-    eager = t._loss
+    eager = t.loss_fn
 
     def spy(*a):
         seen.update(mm=torch.backends.cuda.matmul.allow_tf32, conv=torch.backends.cudnn.allow_tf32,
                     bench=torch.backends.cudnn.benchmark)
         return eager(*a)
 
-    t._loss = spy
+    t.loss_fn = spy
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
     torch.backends.cuda.matmul.allow_tf32 = not tf32  # the opposite of what the step wants
     torch.backends.cudnn.allow_tf32 = not tf32
@@ -417,12 +417,18 @@ def test_exercise_switches_reach_the_step(tmp_path, monkeypatch):
         tiny_config(tmp_path, ddp_bucket_cap_mb=0)
     with pytest.raises(TypeError, match="grad_scaler"):
         tiny_config(tmp_path, grad_scaler="no")
-    # DDP receives the bucket size: a one-process group, with the trainer told it is one of two.
-    monkeypatch.setattr(T, "_dist_info", lambda: (0, 2))
+    # DDP receives the bucket size: a one-process group, wrapped as a launch of several processes is (ddp=True, 08's
+    # Exercise 2), or with the trainer told it is one of two (what ddp=None decides from).
+    with pytest.raises(ValueError, match="needs a process group"):
+        build(tiny_config(tmp_path), ddp=True)  # before any work: no group yet
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        t = build(tiny_config(tmp_path, ddp_bucket_cap_mb=5.0))
+        assert type(build(tiny_config(tmp_path)).net).__name__ == "UNet"  # one process: no DDP unless asked
+        t = build(tiny_config(tmp_path, ddp_bucket_cap_mb=5.0), ddp=True)
         assert type(t.net).__name__ == "DistributedDataParallel" and t.net.bucket_bytes_cap == 5 * 1024 * 1024
+        monkeypatch.setattr(T, "_dist_info", lambda: (0, 2))
+        assert type(build(tiny_config(tmp_path)).net).__name__ == "DistributedDataParallel"
+        assert type(build(tiny_config(tmp_path), ddp=False).net).__name__ == "UNet"
     finally:
         dist.destroy_process_group()
