@@ -21,11 +21,46 @@ def set_style() -> None:
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind")
 
 
+LAYOUT_WARNING = "figure layout:"
+
+
+def legend_overlaps(fig: "plt.Figure") -> list[str]:
+    """The texts a legend of ``fig`` covers: titles, axis labels, tick labels and the texts drawn on the axes
+    (bar labels, annotations), each as "<legend> covers <text>". Empty when every legend is clear of them."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend() is not None] + [(None, lg) for lg in fig.legends]
+    found = []
+    for owner, legend in legends:
+        if not legend.get_visible():
+            continue
+        box = legend.get_window_extent(renderer).padded(-1)  # touching is not covering
+        for ax in fig.axes:
+            titles = [getattr(ax, a, None) for a in ("title", "_left_title", "_right_title")]  # the three title slots
+            texts = [*titles, ax.xaxis.label, ax.yaxis.label, *ax.texts, *ax.get_xticklabels(), *ax.get_yticklabels()]
+            for text in texts:
+                if text is None or not text.get_visible() or not text.get_text().strip():
+                    continue
+                if box.overlaps(text.get_window_extent(renderer)):
+                    what = "the legend" if owner is None else f"the legend of '{owner.get_title() or owner.get_ylabel()}'"
+                    found.append(f"{what} covers '{text.get_text().strip()[:40]}'")
+        for text in [*fig.texts, getattr(fig, "_suptitle", None)]:
+            if text is not None and text.get_visible() and text.get_text().strip() and box.overlaps(
+                    text.get_window_extent(renderer)):
+                found.append(f"the legend covers the figure text '{text.get_text().strip()[:40]}'")
+    return found
+
+
 def savefig(fig: "plt.Figure", name: str, dpi: int = 150) -> Path:
     """Save ``fig`` as ``<figures dir>/<name>`` (PNG, written atomically) and return the path.
 
-    The folder is $DDPM_FIGURES_DIR when set, so test runs never overwrite committed figures.
+    The folder is $DDPM_FIGURES_DIR when set, so test runs never overwrite committed figures. A legend that covers
+    a label or a title is reported as a warning that starts with ``LAYOUT_WARNING`` (the suite fails on it).
     """
+    import warnings
+
+    for problem in legend_overlaps(fig):
+        warnings.warn(f"{LAYOUT_WARNING} {Path(name).name}: {problem}", stacklevel=2)
     path = Path(name)
     if not path.is_absolute():
         path = figures_dir() / path

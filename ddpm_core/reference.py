@@ -210,7 +210,7 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
                 temporal, kinds = rep.cpu_temporal, tr.op_categories(rep.cpu_ops)
                 title = "CPU main thread: compute ops, other ops, outside ops (no GPU in this trace)"
             if temporal is not None and len(temporal):
-                display(temporal)
+                display(tr.per_rank(temporal))
                 fig = plots.temporal_breakdown(temporal, label=ref_label, title=f"{name}: {title}")
                 plots.savefig(fig, f"{stem}_temporal.png")
                 plots.plt.show()

@@ -71,6 +71,17 @@ class TraceReport:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+def per_rank(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    """A per-rank table (one row per rank, HTA's long column names: the temporal breakdown, its CPU counterpart,
+    comm/comp overlap) turned to one column per rank, so that it fits a notebook's width with HTA's names kept."""
+    if df is None or "rank" not in df or df["rank"].duplicated().any():
+        return df
+    out = df.set_index("rank").T
+    out.columns = [f"rank {r}" for r in out.columns]
+    out.index.name = None
+    return out
+
+
 _NOTE_KEYS = {"temporal": "temporal", "kernels": "kernel breakdown", "top_kernels": "kernel breakdown",
               "idle": "idle time", "launch": "launch", "launch_summary": "launch", "overlap": "overlap",
               "memory_bw": "memory bandwidth"}

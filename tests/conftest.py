@@ -35,3 +35,23 @@ def synthetic_batch(synthetic_folder) -> torch.Tensor:
 
     ds = FolderImages(synthetic_folder)
     return normalize(torch.stack([ds[i] for i in range(16)]))
+
+
+@pytest.fixture(scope="session")
+def smoke_reference(tmp_path_factory, data_root):
+    """The whole series, run once per test session in smoke mode through ``python -m ddpm_core.reference run``: the
+    notebooks' smoke test and the reference command's test (test_reference.py); the browser's layout check reads
+    its executed notebooks (test_browser.py). Returns (folder, stdout, seconds, environment)."""
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path_factory.mktemp("reference")
+    out = root / "cpu-smoke"
+    env = {**os.environ, "DDPM_DATA_DIR": data_root, "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
+           "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ddpm_core.reference", "run", "--smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout, time.perf_counter() - start, env

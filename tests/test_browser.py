@@ -1,4 +1,5 @@
-"""Notebook 00 in a real browser, as a reader uses it: JupyterLab, headless Chromium, Run All, the slider, Ctrl+S.
+"""The notebooks in a real browser, as a reader uses them. Notebook 00: JupyterLab, headless Chromium, Run All, the
+slider, Ctrl+S.
 
 The test clones this repository (its committed HEAD) into tmp_path, defines the nbstripout git filter in the clone
 the way `make setup` does, and starts JupyterLab there on 127.0.0.1 with its config, data, runtime, settings and
@@ -10,6 +11,10 @@ is as committed, the filter strips the outputs, and the save hook of ddpm_core/l
 environment's jupyter config as make setup put it there, refreshes git's index) and nothing was written into the
 repository; the forward-noising slider is a live widget and dragging it redraws the image;
 the "Next" link opens notebook 01.
+
+A second test opens the executed notebooks of the session's smoke run (the reference command's, conftest.py) in
+JupyterLab at 1280 x 800, a laptop screen, and fails on any output wider than the notebook (a table that scrolls
+sideways, an image cut off), naming the cell.
 
 Skipped, with the reason, where no Chromium or no playwright module is installed (.ci/run installs Chromium).
 With DDPM_REQUIRE_BROWSER=1 (.ci/run sets it once Chromium is installed) each of those reasons is a failure
@@ -364,3 +369,57 @@ def test_ci_turns_a_missing_browser_into_a_failure(monkeypatch):
         _skip("no Chromium")
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert f"export {REQUIRE_ENV}=1" in ci and ci.index(f"export {REQUIRE_ENV}=1") < ci.index("make test")
+
+
+# The widths a student's browser gives the notebook: a 1280-pixel laptop screen with JupyterLab's file browser open
+# leaves an output area of about 850 pixels.
+LAPTOP = {"width": 1280, "height": 800}
+OPEN_S = 60
+# Every output wider than its output area (a table that scrolls sideways, an image cut off), as
+# {cell, kind, area, width, text}: the widest descendant's right edge against the output area's own width.
+TOO_WIDE_JS = """() => {
+  const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+  const cells = [...panel.querySelectorAll('.jp-Cell')];
+  const found = [];
+  panel.querySelectorAll('.jp-OutputArea-output').forEach((o) => {
+    const box = o.getBoundingClientRect();
+    let right = box.left + o.scrollWidth;
+    o.querySelectorAll('*').forEach((e) => { right = Math.max(right, e.getBoundingClientRect().right); });
+    if (right - box.left > o.clientWidth + 2) {
+      found.push({cell: cells.indexOf(o.closest('.jp-Cell')) + 1,
+                  kind: o.querySelector('table') ? 'table' : o.querySelector('img') ? 'image' : 'text',
+                  area: Math.round(o.clientWidth), width: Math.round(right - box.left),
+                  text: o.innerText.slice(0, 90).replace(/\\s+/g, ' ')});
+    }
+  });
+  return found;
+}"""
+
+
+def test_every_executed_notebook_fits_a_laptop_screen(smoke_reference, clone, lab, browser, tmp_path):
+    """The smoke run's executed notebooks, opened in JupyterLab at 1280 x 800: no output is wider than its area."""
+    executed = sorted((smoke_reference[0] / "notebooks").glob("*.ipynb"))
+    assert len(executed) == len(list((clone / "notebooks").glob("*.ipynb"))), "the smoke run left notebooks out"
+    for nb in executed:
+        shutil.copy(nb, clone / "notebooks" / nb.name)
+    context = browser.new_context(viewport=LAPTOP)
+    page = context.new_page()
+    page.set_default_timeout(OPEN_S * 1000)
+    too_wide = {}
+    try:
+        for nb in executed:
+            outputs = sum(len(c.get("outputs", [])) > 0 for c in json.loads(nb.read_text())["cells"])
+            page.goto(f"{lab.url}/lab/tree/notebooks/{nb.name}?reset&token={lab.token}")
+            shown = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell .jp-OutputArea-child")
+            _wait(f"{nb.name} to show the outputs of its {outputs} cells", OPEN_S, lambda: shown.count() >= outputs)
+            page.wait_for_function("() => [...document.images].every((i) => i.complete)")
+            found = page.evaluate(TOO_WIDE_JS)
+            if found:
+                too_wide[nb.name] = found
+                page.screenshot(path=str(tmp_path / f"{nb.stem}.png"))
+            for session in lab.api("sessions"):  # each opened notebook started a kernel: stop it
+                lab.api(f"sessions/{session['id']}", method="DELETE")
+    finally:
+        context.close()
+    assert not too_wide, (f"outputs wider than the notebook at {LAPTOP['width']} px (screenshots in {tmp_path}):\n"
+                          + "\n".join(f"{name}: {f}" for name, found in too_wide.items() for f in found))

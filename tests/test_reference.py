@@ -25,19 +25,6 @@ NOTEBOOKS = series.list_notebooks()
 MEASURING = ["02", "03", "04", "05", "06", "07", "08", "09", "10"]  # notebooks that append result rows
 
 
-@pytest.fixture(scope="session")
-def smoke_reference(tmp_path_factory, data_root):
-    root = tmp_path_factory.mktemp("reference")
-    out = root / "cpu-smoke"
-    env = {**os.environ, "DDPM_DATA_DIR": data_root, "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
-           "PYTHONUNBUFFERED": "1"}
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ddpm_core.reference", "run", "--smoke", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout, time.perf_counter() - start, env
-
-
 @pytest.mark.slow
 def test_the_reference_command_writes_a_complete_folder(smoke_reference):
     out, log, seconds, _ = smoke_reference
@@ -53,6 +40,19 @@ def test_the_reference_command_writes_a_complete_folder(smoke_reference):
         for fig in series.declared_figures(nb):
             assert (out / "figures" / fig).stat().st_size > 5000, fig
     assert "budget 480 s per part" in log  # the per-part budget line (what it holds on a GPU is the GPU run's)
+
+
+def test_no_figure_of_the_smoke_run_has_a_legend_over_a_label(smoke_reference):
+    from ddpm_core.plots import LAYOUT_WARNING
+
+    out = smoke_reference[0]
+    found = []
+    for nb in sorted((out / "notebooks").glob("*.ipynb")):
+        for cell in nbformat.read(nb, as_version=4).cells:
+            for o in cell.get("outputs", []):
+                text = o.get("text", "") + "".join(str(v) for v in o.get("data", {}).values())
+                found += [f"{nb.name}: {line.strip()}" for line in text.splitlines() if LAYOUT_WARNING in line]
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.slow

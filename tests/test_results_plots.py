@@ -149,3 +149,19 @@ def test_summary_table_reports_speedups_from_the_same_table():
     assert list(table.columns[:5]) == ["variant", "batch", "ms/step", "img/s", "speedup"]
     assert bench.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert not bench.is_out_of_memory(ValueError("x"))
+
+
+def test_a_legend_over_a_label_is_found_and_warned_about(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setenv("DDPM_FIGURES_DIR", str(tmp_path))
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1], label="a line with a long label")
+    ax.set_xlabel("the x label")
+    ax.legend(loc="lower left", bbox_to_anchor=(0, -0.3))  # pushed down onto the x label
+    assert plots.legend_overlaps(fig) == ["the legend of '' covers 'the x label'"]
+    with pytest.warns(UserWarning, match=f"^{plots.LAYOUT_WARNING} bad.png: the legend"):
+        plots.savefig(fig, "bad.png")
+    ax.legend(loc="upper left")
+    assert plots.legend_overlaps(fig) == []
+    plt.close(fig)

@@ -3,6 +3,7 @@ import gzip
 import json
 import shutil
 
+import pandas as pd
 import pytest
 import torch
 
@@ -262,3 +263,14 @@ def test_trace_diff_shows_the_operators_an_optimization_removed_and_added(tmp_pa
     assert plots.trace_diff_bars(d.head(8)) is not None
     with pytest.raises(traces.TraceError, match="no trace files"):
         traces.diff(tmp_path / "math", tmp_path / "nothing-here")
+
+
+def test_per_rank_turns_hta_wide_tables_to_one_column_per_rank():
+    df = pd.DataFrame([{"rank": 0, "idle_time(us)": 1.0, "idle_time_pctg": 10.0},
+                       {"rank": 1, "idle_time(us)": 2.0, "idle_time_pctg": 20.0}])
+    out = traces.per_rank(df)
+    assert list(out.columns) == ["rank 0", "rank 1"] and list(out.index) == ["idle_time(us)", "idle_time_pctg"]
+    assert out.loc["idle_time_pctg", "rank 1"] == 20.0
+    assert traces.per_rank(None) is None
+    several = pd.concat([df, df])  # several rows per rank (per stream, say): left as it is
+    assert traces.per_rank(several) is several
