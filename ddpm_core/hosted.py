@@ -81,10 +81,17 @@ def requirements(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
     return list(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
 
 
+def _requirement_class():
+    try:
+        from packaging.requirements import Requirement
+    except ModuleNotFoundError:  # a runtime without packaging: pip carries it
+        from pip._vendor.packaging.requirements import Requirement
+    return Requirement
+
+
 def missing(reqs: list[str]) -> list[str]:
     """The requirements in ``reqs`` that no installed distribution satisfies (absent, or a version outside)."""
-    from packaging.requirements import Requirement
-
+    Requirement = _requirement_class()
     out = []
     for line in reqs:
         req = Requirement(line)
@@ -100,7 +107,7 @@ def missing(reqs: list[str]) -> list[str]:
 
 def plan(repo: Path = REPO_ROOT) -> list[list[str]]:
     """The pip commands ``install`` runs for the clone at ``repo``, in order (each as pip's arguments)."""
-    from packaging.requirements import Requirement
+    Requirement = _requirement_class()
 
     todo = [r for r in missing(requirements(repo / "pyproject.toml")) if Requirement(r).name.lower() not in SKIP]
     hta = [r for r in todo if Requirement(r).name.lower() == HTA]

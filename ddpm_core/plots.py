@@ -8,6 +8,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker
+import matplotlib.transforms
 import torch
 
 from .atomic import atomic_write_bytes
@@ -49,6 +50,23 @@ def legend_overlaps(fig: "plt.Figure") -> list[str]:
                     text.get_window_extent(renderer)):
                 found.append(f"the legend covers the figure text '{text.get_text().strip()[:40]}'")
     return found
+
+
+def legend_below(ax: "plt.Axes", **kw: Any) -> "plt.Legend":
+    """A legend centred under ``ax``, below its tick labels and x label, whatever the figure's size.
+
+    The gap is measured once drawn and kept in points, so a later ``tight_layout`` that shrinks the axes does not
+    bring the legend back over the label (a fixed offset in axes units does).
+    """
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    axes_bottom = ax.get_window_extent(renderer).y0
+    texts = [t for t in (ax.xaxis.label, *ax.get_xticklabels()) if t.get_visible() and t.get_text().strip()]
+    lowest = min([t.get_window_extent(renderer).y0 for t in texts], default=axes_bottom)
+    drop = (axes_bottom - lowest) / fig.dpi + 4 / 72  # inches, and a 4-point gap
+    anchor = ax.transAxes + matplotlib.transforms.ScaledTranslation(0, -drop, fig.dpi_scale_trans)
+    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=anchor, frameon=False, **kw)
 
 
 def savefig(fig: "plt.Figure", name: str, dpi: int = 150) -> Path:
@@ -556,7 +574,7 @@ def memory_budget(rows, *, label: str | None = None, title: str = "") -> "plt.Fi
     ax.invert_yaxis()
     ax.set_xlabel("MiB")
     ax.margins(x=0.2)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1, fontsize=8, frameon=False)
+    legend_below(ax, ncol=1, fontsize=8)
     _title(ax, title, label)
     fig.tight_layout()
     return fig
@@ -641,7 +659,7 @@ def quality_band(result, *, label: str | None = None,
     ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"loss (rolling mean of {result.window} steps)" if result.window > 1 else "loss (not smoothed)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)  # off the curves
+    legend_below(ax, fontsize=8, ncol=2)  # off the curves
     data = result.dataset or result.config.get("dataset")
     ax.set_title(f"training loss{f', {data}' if data else ''}", fontsize=9)
 
@@ -697,9 +715,10 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
         if ceiling.datasheet is not None:
             ax2.axvline(ceiling.datasheet.tflops, color="k", ls=":", lw=1.2, label=f"datasheet: {ceiling.datasheet}")
             top = max(top, ceiling.datasheet.tflops)
-        ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)  # below: off the bars
     ax2.set_xlim(0, top * 1.15)
     ax2.set_xlabel("achieved TFLOP/s (each step's own FLOPs)")
+    if ceiling is not None:
+        legend_below(ax2, fontsize=7)  # below: off the bars
     fig.tight_layout()
     return _suptitle(fig, title, label)
 

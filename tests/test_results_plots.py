@@ -164,4 +164,8 @@ def test_a_legend_over_a_label_is_found_and_warned_about(tmp_path, monkeypatch):
         plots.savefig(fig, "bad.png")
     ax.legend(loc="upper left")
     assert plots.legend_overlaps(fig) == []
+    plots.legend_below(ax, ncol=2)  # under the x label, and still there once the layout is tightened
+    fig.set_size_inches(4, 2)
+    fig.tight_layout()
+    assert plots.legend_overlaps(fig) == []
     plt.close(fig)
