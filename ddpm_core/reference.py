@@ -421,11 +421,12 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     import torch
 
     smoke = (not torch.cuda.is_available()) if smoke is None else smoke
-    out = Path(out) if out is not None else default_out(smoke)
-    out.mkdir(parents=True, exist_ok=True)
     unknown = [p for p in (parts or []) if p not in PARTS]
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; the parts are {PARTS}")
+    # absolute: the notebooks run in notebooks/, where a relative --out would name another folder
+    out = Path(out).resolve() if out is not None else default_out(smoke)
+    out.mkdir(parents=True, exist_ok=True)
     status_path = out / "parts.json"
     status = json.loads(status_path.read_text()) if status_path.exists() else {}
     if status.get("_mode") not in (None, "smoke" if smoke else "full"):

@@ -162,6 +162,17 @@ def test_trim_keeps_the_asked_steps_and_the_kernels_they_launched(tmp_path):
     assert rep.has_gpu and rep.temporal is not None
 
 
+def test_a_relative_out_folder_reaches_the_notebooks_as_an_absolute_one(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(reference, "_part_notebooks", lambda out, *a: seen.append(out) or {})
+    monkeypatch.chdir(tmp_path)
+    reference.run(Path("ref"), smoke=True, parts=["nb-02"])
+    assert seen == [tmp_path / "ref"]  # the notebooks run in notebooks/: a relative path would name another folder
+    with pytest.raises(ValueError, match="unknown part"):
+        reference.run(Path("other"), smoke=True, parts=["nb-99"])
+    assert not (tmp_path / "other").exists()  # refused before anything was made
+
+
 def test_slug_and_parts():
     assert reference.slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
     assert reference.slug("NVIDIA H200") == "h200"
