@@ -810,6 +810,11 @@ def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.Dat
 NOT_AVAILABLE = "n/a"
 
 
+def with_spread(median: Sequence[float], p10: Sequence[float], p90: Sequence[float], digits: int = 1) -> list[str]:
+    """One table column from three: each median with its p10-p90 spread in brackets, e.g. "5.2 (4.4-5.9)"."""
+    return [f"{m:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})" for m, lo, hi in zip(median, p10, p90)]
+
+
 def readable(df: "pd.DataFrame", *, drop_empty: Sequence[str] = (), na: str = NOT_AVAILABLE) -> "pd.DataFrame":
     """``df`` as a reader should see it: the columns named in ``drop_empty`` left out where no row has a value
     (a CPU has no bf16 peak, so that column would be a column of blanks), and every other missing cell shown as

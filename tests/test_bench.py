@@ -392,3 +392,8 @@ def test_add_peak_teaches_a_gpu_for_the_session_and_refuses_rows_without_figures
     assert bench.ADDED_PEAK_SOURCES == {"L40S": "datasheet"}
     bench.add_peak("T4", r"\bT4\b", fp32=8.1, tf32=None, bf16=None, fp16=65.0, source="datasheet")  # a row again:
     assert [k for _, k in bench._DEVICE_PATTERNS].count("T4") == 1  # replaced, not duplicated
+
+
+def test_with_spread_puts_the_p10_p90_range_beside_each_median():
+    assert bench.with_spread([5.21, 10], [4.4, 9], [5.94, 12]) == ["5.2 (4.4-5.9)", "10.0 (9.0-12.0)"]
+    assert bench.with_spread([1.234], [1.2], [1.3], digits=2) == ["1.23 (1.20-1.30)"]
