@@ -6,8 +6,15 @@
     python -m ddpm_core.reference unpack data/reference/h100-80gb-hbm3.tar.gz
 
 ``run`` goes in parts (``PARTS``), each at most 8 minutes on one H100, and is resumable: a part
-already done is skipped (``--force`` redoes it). Without a GPU the same command runs everything in
-smoke mode and writes a complete folder of the same layout, which the test suite checks.
+already done is skipped (``--force`` redoes it). After every notebook part the folder is whole
+(its result rows merged into results.csv, its traces trimmed into traces/), so the scratch folder
+``_work`` never has to travel: a run can go on in another command, on another machine, in another
+session, from the committed folder alone. ``--archive-to DIR`` packs the folder into DIR after
+every part, so a command killed at its time limit still returns the parts it finished, and
+``--keep-going`` runs the remaining parts after one fails (a shakedown of every notebook's GPU
+branches in one command: ``run --smoke --keep-going``). ``scripts/gpu_call.sh`` is one device command.
+Without a GPU the same command runs everything in smoke mode and writes a complete folder of the
+same layout, which the test suite checks.
 
 Layout of one reference folder::
 
@@ -278,9 +285,10 @@ def slug(device_name: str) -> str:
 def default_out(smoke: bool) -> Path:
     import torch
 
-    if smoke and not torch.cuda.is_available():
-        return reference_dir() / "cpu-smoke"
-    return reference_dir() / slug(torch.cuda.get_device_name(0))
+    if not torch.cuda.is_available():
+        return reference_dir() / ("cpu-smoke" if smoke else "cpu-full")
+    # a smoke run on a GPU (the shakedown) must never land in, or collide with, that GPU's full reference
+    return reference_dir() / (slug(torch.cuda.get_device_name(0)) + ("-smoke" if smoke else ""))
 
 
 def _git(*args: str) -> str:
@@ -323,10 +331,13 @@ def _part_meta(out: Path, smoke: bool) -> None:
 
 
 def _part_gpu_tests(out: Path, smoke: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=PART_BUDGET_S)
-    log = f"$ {' '.join(cmd[2:])}\n{proc.stdout}{proc.stderr}"
-    (out / "tests.log").write_text(log)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rs", "--durations=10", "-p", "no:cacheprovider", "tests"]
+    path = out / "tests.log"
+    with open(path, "w") as f:  # written as it goes: a command stopped at its limit still shows how far it got
+        f.write(f"$ {' '.join(cmd[2:])}\n")
+        f.flush()
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=PART_BUDGET_S)
+    log = path.read_text()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", log)}
     if proc.returncode not in (0, 5) or counts.get("failed") or counts.get("error") or counts.get("errors"):
         raise RuntimeError(f"gpu tests failed (exit {proc.returncode}, {counts}); see {out / 'tests.log'}")
@@ -341,38 +352,78 @@ def _env(out: Path) -> dict[str, str]:
             "DDPM_REFERENCE_DIR": str(work / "no-reference")}
 
 
-def _part_notebooks(out: Path, smoke: bool, prefixes: list[str], only: Sequence[str] | None) -> dict:
-    from .series import run_notebook, select, temporary_env
+def _part_notebooks(out: Path, smoke: bool, prefixes: list[str], only: Sequence[str] | None,
+                    keep_going: bool = False) -> dict:
+    from .series import NotebookFailed, run_notebook, temporary_env
 
-    chosen = [nb for nb in select(prefixes) if not only or nb in select(list(only))]
-    seconds = {}
+    chosen = _chosen(prefixes, only)
+    seconds: dict[str, float] = {}
+    errors: list[str] = []
     with temporary_env(_env(out)):
         for nb in chosen:
             print(f"  {nb.name} ...", flush=True)
-            run = run_notebook(nb, out / "notebooks", smoke=smoke, figures=out / "figures", timeout=PART_BUDGET_S)
+            # rows of an earlier try of this notebook (failed, killed or --force) must not count twice
+            (out / WORK / "results" / f"{nb.stem}.csv").unlink(missing_ok=True)
+            try:
+                run = run_notebook(nb, out / "notebooks", smoke=smoke, figures=out / "figures", timeout=PART_BUDGET_S)
+            except NotebookFailed as e:
+                if not keep_going:
+                    raise
+                print(f"  {nb.name}: FAILED: {e}", flush=True)
+                errors.append(str(e))
+                continue
             seconds[nb.stem] = round(run.seconds, 1)
             print(f"  {nb.name}: {run.seconds:.0f} s", flush=True)
+    if errors:  # keep_going: the part's other notebooks ran; the part still fails
+        raise NotebookFailed(" | ".join(errors))
     return {"notebooks": seconds}
 
 
-def _part_pack(out: Path, smoke: bool) -> dict:
+def collect(out: Path, notebooks: Sequence[str] | None = None) -> dict:
+    """Make the folder whole from its scratch: result rows into results.csv, traces trimmed into traces/.
+
+    The rows of ``notebooks`` (stems such as "03_batch_size"; default: every notebook with rows in
+    the scratch) replace that notebook's rows in results.csv, whatever an earlier command or session
+    left there; the other notebooks' rows stay. A trace is trimmed again only when its source is
+    newer than the trimmed copy. Idempotent: safe after every part.
+    """
     import pandas as pd
 
     work = out / WORK
-    csvs = sorted((work / "results").glob("*.csv"))
+    csvs = sorted((work / "results").glob("*.csv")) if (work / "results").is_dir() else []
     frames = [pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in csvs]
+    frames = [f for f in frames if len(f)]
+    replaced = set(notebooks) if notebooks is not None else set()
+    for f in frames:
+        if "notebook" in f:
+            replaced |= set(f["notebook"].astype(str))
+    old_path = out / "results.csv"
+    if old_path.exists() and old_path.stat().st_size:
+        old = pd.read_csv(old_path, keep_default_na=False, na_values=[""])
+        if "notebook" in old:
+            old = old[~old["notebook"].astype(str).isin(replaced)]
+        frames = [old, *frames] if len(old) else frames
+    rows = 0
     if frames:
-        pd.concat(frames, ignore_index=True).to_csv(out / "results.csv", index=False)
-    shutil.rmtree(out / "traces", ignore_errors=True)
+        merged = pd.concat(frames, ignore_index=True)
+        rows = len(merged)
+        merged.to_csv(old_path, index=False)
     trimmed = 0
     runs = work / "runs"
     for f in sorted(runs.rglob("*.json.gz")) if runs.exists() else []:
         rel = f.parent.relative_to(runs)
         rel = rel.relative_to("traces") if rel.parts[:1] == ("traces",) else rel
-        trim_trace(f, out / "traces" / rel / f.name)
-        trimmed += 1
+        dst = out / "traces" / rel / f.name
+        if not dst.exists() or dst.stat().st_mtime < f.stat().st_mtime:
+            trim_trace(f, dst)
+            trimmed += 1
+    return {"results_rows": rows, "traces_trimmed": trimmed}
+
+
+def _part_pack(out: Path, smoke: bool) -> dict:
+    detail = collect(out)
     archive = pack(out)
-    return {"results_rows": int(sum(len(f) for f in frames)), "traces": trimmed, "archive": str(archive),
+    return {**detail, "traces": len(list((out / "traces").rglob("*.json.gz"))), "archive": str(archive),
             "archive_mb": round(archive.stat().st_size / 2**20, 2)}
 
 
@@ -416,8 +467,15 @@ def unpack(archive: Path, root: Path | None = None, figures: Path | None = None)
 
 
 def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[str] | None = None,
-        force: bool = False, notebooks: Sequence[str] | None = None) -> Path:
-    """Run the reference ``parts`` (default: all) into ``out``; skip parts already done unless ``force``."""
+        force: bool = False, notebooks: Sequence[str] | None = None, keep_going: bool = False,
+        archive_to: Path | None = None) -> Path:
+    """Run the reference ``parts`` (default: all) into ``out``; skip parts already done unless ``force``.
+
+    A part that raises is recorded as failed in parts.json; the run stops there unless
+    ``keep_going``, which runs the rest and raises at the end naming every failed part. A part
+    killed from outside stays "running" in parts.json, and the next run does it again.
+    ``archive_to``: after every part, pack the folder into that folder (``<name>.tar.gz``).
+    """
     import torch
 
     smoke = (not torch.cuda.is_available()) if smoke is None else smoke
@@ -433,35 +491,75 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         raise ValueError(f"{out} holds a {status['_mode']} run; this one is {'smoke' if smoke else 'full'}. "
                          f"Fix: another --out, or delete {out}.")
     status["_mode"] = "smoke" if smoke else "full"
+
+    def notebook_part(pre: list[str]) -> dict:
+        detail = _part_notebooks(out, smoke, pre, notebooks, keep_going) or {}
+        stems = [nb.stem for nb in _chosen(pre, notebooks)]
+        return {**detail, **collect(out, stems)}
+
     actions: dict[str, Callable[[], Any]] = {
         "meta": lambda: _part_meta(out, smoke),
         "gpu-tests": lambda: _part_gpu_tests(out, smoke),
-        **{name: (lambda pre=pre: _part_notebooks(out, smoke, pre, notebooks)) for name, pre in NOTEBOOK_PARTS.items()},
+        **{name: (lambda pre=pre: notebook_part(pre)) for name, pre in NOTEBOOK_PARTS.items()},
         "pack": lambda: _part_pack(out, smoke),
     }
     print(f"reference run -> {out} ({'smoke' if smoke else 'full'} mode)", flush=True)
     total = 0.0
+    failed: list[str] = []
     for part in parts or PARTS:
         if status.get(part, {}).get("status") == "done" and not force:
             print(f"[{part}] already done ({status[part]['seconds']:.0f} s): skipped", flush=True)
             continue
         print(f"[{part}] ...", flush=True)
+        status[part] = {"status": "running", "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        status_path.write_text(json.dumps(status, indent=1))  # a command killed here leaves "running": redone next time
         start = time.perf_counter()
         try:
             detail = actions[part]() or {}
         except Exception as e:
-            status[part] = {"status": "failed", "seconds": round(time.perf_counter() - start, 1),
-                            "error": f"{type(e).__name__}: {e}"}
+            seconds = time.perf_counter() - start
+            total += seconds
+            status[part] = {"status": "failed", "seconds": round(seconds, 1), "error": f"{type(e).__name__}: {e}"}
             status_path.write_text(json.dumps(status, indent=1))
-            raise RuntimeError(f"reference part {part!r} failed: {type(e).__name__}: {e} (status in {status_path})") from e
+            _archive_to(out, archive_to)
+            if not keep_going:
+                raise RuntimeError(f"reference part {part!r} failed: {type(e).__name__}: {e} "
+                                   f"(status in {status_path})") from e
+            print(f"[{part}] FAILED after {seconds:.0f} s: {type(e).__name__}: {e}", flush=True)
+            failed.append(part)
+            continue
         seconds = time.perf_counter() - start
         total += seconds
         status[part] = {"status": "done", "seconds": round(seconds, 1), **detail}
         status_path.write_text(json.dumps(status, indent=1))
+        _archive_to(out, archive_to)
         over = " OVER BUDGET" if seconds > PART_BUDGET_S else ""
         print(f"[{part}] done in {seconds:.0f} s (budget {PART_BUDGET_S} s per part){over}", flush=True)
     print(f"this command: {total:.0f} s (a whole run must stay under {RUN_BUDGET_S} s)", flush=True)
+    if failed:
+        raise RuntimeError(f"reference parts failed: {', '.join(failed)} (errors in {status_path})")
     return out
+
+
+def _chosen(prefixes: list[str], only: Sequence[str] | None) -> list[Path]:
+    from .series import select
+
+    return [nb for nb in select(prefixes) if not only or nb in select(list(only))]
+
+
+def _archive_to(out: Path, folder: Path | None) -> None:
+    """Pack ``out`` into ``folder`` (if given) after a part; a pack that fails is reported, never raised."""
+    if folder is None:
+        return
+    try:
+        archive = pack(out)
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if archive.parent.resolve() != folder.resolve():
+            shutil.copy2(archive, folder / archive.name)
+        print(f"  packed -> {folder / archive.name} ({archive.stat().st_size / 2**20:.1f} MB)", flush=True)
+    except (OSError, RuntimeError) as e:
+        print(f"  could not pack {out} into {folder}: {e}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--parts", nargs="+", default=None, choices=PARTS, help=f"parts to run (default: all: {PARTS})")
     r.add_argument("--notebooks", nargs="+", default=None, help="only these notebooks: numbers (03 03b) or name prefixes (03_batch)")
     r.add_argument("--force", action="store_true", help="redo parts already done")
+    r.add_argument("--keep-going", action="store_true", help="after a part fails, run the others (exit 1 at the end)")
+    r.add_argument("--archive-to", default=None, metavar="DIR",
+                   help="after every part, pack the folder into DIR/<name>.tar.gz (e.g. $OUT on a device machine)")
     k = sub.add_parser("pack", help="pack a reference folder into <folder>.tar.gz")
     k.add_argument("folder")
     u = sub.add_parser("unpack", help="extract a reference archive into data/reference and figures/")
@@ -483,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "run":
             smoke = True if args.smoke else (False if args.full else None)
-            run(args.out, smoke=smoke, parts=args.parts, force=args.force, notebooks=args.notebooks)
+            run(args.out, smoke=smoke, parts=args.parts, force=args.force, notebooks=args.notebooks,
+                keep_going=args.keep_going, archive_to=Path(args.archive_to) if args.archive_to else None)
         elif args.cmd == "pack":
             print(pack(Path(args.folder)))
         else:

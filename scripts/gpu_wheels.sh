@@ -7,16 +7,20 @@
 #     && export PYTHONPATH=/tmp/site:$PWD
 #
 # Versions are the ones this repo's .venv tested (pip freeze), so both machines run the same code.
-# TORCHVISION must pair with the GPU machine's torch (0.26 <-> torch 2.11; torchvision 0.N <-> torch 2.(N-15)).
+# Not carried, because the device image has them (/work/.library/device/KINDS.md, 'Python packages already there'):
+# torchvision 0.26 (paired with its torch 2.11), scipy, and pytest with its plugins (xdist, timeout, cov, mock,
+# benchmark): a carried pytest would shadow the image's and load those plugins against another version.
+# TORCHVISION=0.26.0 adds torchvision (it must pair with the machine's torch: 0.N <-> torch 2.(N-15)).
+# scripts/gpu_call.sh runs one reference command there with them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-TORCHVISION=${TORCHVISION:-0.26.0}
+TORCHVISION=${TORCHVISION:-}
 NAMES="HolisticTraceAnalysis plotly narwhals pydot pyparsing papermill nbclient nbformat jupyter_client jupyter_core
 ipykernel ipython ipython_pygments_lexers traitlets comm debugpy tenacity entrypoints pyzmq tornado fastjsonschema
 jsonschema jsonschema-specifications referencing rpds-py attrs click PyYAML requests charset-normalizer idna urllib3
 certifi decorator jedi parso pexpect ptyprocess prompt_toolkit wcwidth Pygments stack-data executing asttokens
-pure_eval matplotlib-inline nest-asyncio2 platformdirs python-dateutil pytest pluggy iniconfig tqdm psutil
+pure_eval matplotlib-inline nest-asyncio2 platformdirs python-dateutil tqdm psutil
 ipywidgets widgetsnbextension jupyterlab_widgets packaging typing_extensions six
 diffusers huggingface_hub safetensors filelock regex httpx2 httpcore2 anyio h11 truststore
 denoising-diffusion-pytorch accelerate einops ema-pytorch defusedxml"
@@ -31,7 +35,7 @@ for n in $NAMES; do
   v=$(printf '%s\n' "$freeze" | grep -i -E "^${n//[-_]/[-_]}==" | head -1 || true)
   specs+=("${v:-$n}")
 done
-specs+=("torchvision==$TORCHVISION")
+if [ -n "$TORCHVISION" ]; then specs+=("torchvision==$TORCHVISION"); fi
 mkdir -p .whl
 for s in "${specs[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -190,3 +190,116 @@ def test_the_grader_passes_every_notebook_of_the_smoke_run(smoke_reference):
         report = grade.grade(nb.stem, results=out / reference.WORK / "results", figures=out / "figures",
                              executed=out / "notebooks" / nb.name)
         assert report.ok, report.text()
+
+
+def _rows(nb: str, variants: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({"notebook": nb, "variant": variants, "median_ms": range(1, len(variants) + 1)})
+
+
+def test_collect_makes_the_folder_whole_after_a_part_and_a_rerun_replaces_only_its_notebooks_rows(tmp_path):
+    from gpu_trace import gpu_trace_from_cpu
+
+    from ddpm_core import profiling
+    from ddpm_core.train import build
+    from helpers import tiny_config
+    import torch
+
+    out = tmp_path / "ref"
+    work = out / reference.WORK
+    (work / "results").mkdir(parents=True)
+    # an earlier session left 02's and 03's rows; this command re-ran 03 and ran 04
+    _rows("02_profile_the_baseline", ["eager"]).to_csv(out / "results.csv", index=False)
+    pd.concat([pd.read_csv(out / "results.csv"), _rows("03_batch_size", ["old-1", "old-2"])]).to_csv(
+        out / "results.csv", index=False)
+    _rows("03_batch_size", ["new"]).to_csv(work / "results" / "03_batch_size.csv", index=False)
+    _rows("04_torch_compile", ["default", "max-autotune"]).to_csv(work / "results" / "04_torch_compile.csv", index=False)
+    t = build(tiny_config(tmp_path, batch_size=2))
+    cap = profiling.capture(t.train_step, torch.rand(2, 3, 32, 32) * 2 - 1, out_dir=tmp_path / "cpu", active=5)
+    gpu_trace_from_cpu(cap.trace_path, work / "runs" / "traces" / "04_default" / "rank0.pt.trace.json.gz")
+
+    detail = reference.collect(out, ["03_batch_size", "04_torch_compile"])
+    df = pd.read_csv(out / "results.csv")
+    assert sorted(zip(df["notebook"], df["variant"])) == [
+        ("02_profile_the_baseline", "eager"), ("03_batch_size", "new"),
+        ("04_torch_compile", "default"), ("04_torch_compile", "max-autotune")]
+    assert detail == {"results_rows": 4, "traces_trimmed": 1}
+    assert traces.analyze(out / "traces" / "04_default", verbose=False).has_gpu
+    # idempotent: nothing new, nothing trimmed again, no row twice
+    assert reference.collect(out) == {"results_rows": 4, "traces_trimmed": 0}
+    # the scratch may now go (the next command runs elsewhere): the folder alone holds everything
+    import shutil
+    shutil.rmtree(work)
+    assert len(reference.results(out)) == 4 and reference.trace_names(out, ["04_*"]) == ["04_default"]
+
+
+def test_keep_going_runs_past_a_failed_part_and_every_part_is_packed_as_it_ends(tmp_path, monkeypatch):
+    calls = []
+
+    def fake(out, smoke, prefixes, only, keep_going=False):
+        calls.append(prefixes[0])
+        if prefixes == ["03", "03b"]:
+            raise series.NotebookFailed("03_batch_size.ipynb: cell 4 raised OutOfMemoryError: CUDA out of memory")
+        (out / "notebooks").mkdir(exist_ok=True)
+        (out / "notebooks" / f"{prefixes[0]}.ipynb").write_text("{}")
+        return {"notebooks": {prefixes[0]: 1.0}}
+
+    monkeypatch.setattr(reference, "_part_notebooks", fake)
+    out, dest = tmp_path / "ref", tmp_path / "OUT"
+    with pytest.raises(RuntimeError, match="reference part 'nb-03' failed"):
+        reference.run(out, smoke=True, parts=["nb-02", "nb-03", "nb-04"], archive_to=dest)
+    assert calls == ["02", "03"]  # without keep_going the run stops at the failure
+    status = json.loads((out / "parts.json").read_text())
+    assert status["nb-03"]["status"] == "failed" and "OutOfMemoryError" in status["nb-03"]["error"]
+    with pytest.raises(RuntimeError, match="parts failed: nb-03$|parts failed: nb-03 "):
+        reference.run(out, smoke=True, parts=["nb-02", "nb-03", "nb-04"], keep_going=True, archive_to=dest)
+    assert calls == ["02", "03", "03", "04"]  # nb-02 was done: skipped; nb-03 tried again; nb-04 ran after it
+    status = json.loads((out / "parts.json").read_text())
+    assert [status[p]["status"] for p in ("nb-02", "nb-03", "nb-04")] == ["done", "failed", "done"]
+    with tarfile.open(dest / "ref.tar.gz") as tar:  # the archive after the last part holds every part so far
+        names = set(tar.getnames())
+    assert {"ref/parts.json", "ref/notebooks/02.ipynb", "ref/notebooks/04.ipynb"} <= names
+
+
+def test_a_part_killed_from_outside_stays_running_and_the_next_run_does_it_again(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(reference, "_part_notebooks", lambda out, smoke, pre, *a: calls.append(pre[0]) or {})
+    out = tmp_path / "ref"
+    out.mkdir()
+    (out / "parts.json").write_text(json.dumps({"_mode": "smoke", "nb-02": {"status": "done", "seconds": 5},
+                                                "nb-04": {"status": "running", "started": "2026-11-24T10:00:00"}}))
+    reference.run(out, smoke=True, parts=["nb-02", "nb-04"])
+    assert calls == ["04"]
+    assert json.loads((out / "parts.json").read_text())["nb-04"]["status"] == "done"
+
+
+def test_a_smoke_run_on_a_gpu_gets_its_own_folder_beside_the_gpus_reference(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    assert reference.default_out(smoke=False) == tmp_path / "h100-80gb-hbm3"
+    assert reference.default_out(smoke=True) == tmp_path / "h100-80gb-hbm3-smoke"
+
+
+def test_gpu_call_runs_its_parts_and_leaves_the_archive_and_the_log_in_OUT(tmp_path):
+    import shutil
+
+    script = series.REPO_ROOT / "scripts" / "gpu_call.sh"
+    # the shakedown's default parts are real parts
+    text = script.read_text()
+    default = text.split("|| parts=(", 1)[1].split(")", 1)[0].split()
+    assert default and set(default) <= set(reference.PARTS) and "meta" not in default
+    env = {**os.environ, "OUT": str(tmp_path / "OUT"), "DDPM_REFERENCE_DIR": str(tmp_path / "reference"),
+           # python3 there is the machine's python with torch: here, this environment's
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DEADLINE_S": "120",
+           "WHEELS": str(tmp_path / "no-wheels")}  # never install into /tmp/site here
+    if not shutil.which("python3", path=env["PATH"]):
+        pytest.skip("no python3 on PATH")
+    proc = subprocess.run(["bash", str(script), "meta"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gpu_call: exit 0" in proc.stdout
+    with tarfile.open(tmp_path / "OUT" / "cpu-full.tar.gz") as tar:
+        assert "cpu-full/meta.json" in tar.getnames()
+    assert "[meta] done" in (tmp_path / "OUT" / "run.log").read_text()

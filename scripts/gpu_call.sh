@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One command of the reference run on a bare GPU machine (python3 with torch, no network), e.g. through the
+# device tool, with .whl/ (scripts/gpu_wheels.sh) carried beside the repo:
+#
+#   bash scripts/gpu_call.sh meta gpu-tests nb-00-01     # full mode: these parts, resumable
+#   bash scripts/gpu_call.sh --shakedown                 # every notebook in smoke mode on the GPU, past failures
+#
+# It installs the wheels into /tmp/site, runs the parts under a deadline (DEADLINE_S, default 560 s: a device
+# command is stopped at 600 s), and after EVERY part packs the reference folder into $OUT, so a command stopped
+# at its limit still returns the parts it finished. $OUT also gets run.log and, for the shakedown, the executed
+# notebooks' archive. Back here: `python -m ddpm_core.reference unpack <archive>` (full mode only; a
+# shakedown's archive is for reading, never for data/reference), then commit data/reference/<gpu>/ and figures/.
+# The next command (or session) carries the committed folder and goes on from the first part not done.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_call_out}
+mkdir -p "$OUT"
+start=$(date +%s)
+WHEELS=${WHEELS:-.whl}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+    || { echo "gpu_call: installing $WHEELS/ failed" >&2; exit 3; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  echo "gpu_call: no wheels in $WHEELS/: using the machine's own packages (scripts/gpu_wheels.sh makes the wheels)" >&2
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+echo "gpu_call: wheels installed in $(( $(date +%s) - start )) s"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+python3 -c "import torch, ddpm_core; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())" || exit 3
+left=$(( ${DEADLINE_S:-560} - ($(date +%s) - start) ))
+if [ "${1:-}" = "--shakedown" ]; then
+  shift
+  parts=("$@")
+  [ ${#parts[@]} -gt 0 ] || parts=(nb-00-01 nb-02 nb-03 nb-04 nb-05-06 nb-07-08 nb-09 nb-09b nb-10 gpu-tests)
+  timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --smoke --keep-going --out /tmp/shakedown \
+    --parts "${parts[@]}" 2>&1 | tee "$OUT/run.log"
+  rc=${PIPESTATUS[0]}
+  # the executed notebooks (with their tracebacks) and parts.json: what a shakedown is read for
+  tar -czf "$OUT/shakedown.tar.gz" -C /tmp shakedown/parts.json shakedown/notebooks shakedown/tests.log 2>/dev/null
+else
+  timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --full --archive-to "$OUT" --parts "$@" 2>&1 \
+    | tee "$OUT/run.log"
+  rc=${PIPESTATUS[0]}
+fi
+echo "gpu_call: exit $rc after $(( $(date +%s) - start )) s; in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit "$rc"
