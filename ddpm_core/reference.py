@@ -195,6 +195,13 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
             f"committed in `data/reference/{folder.name}/`."
             + (f" This notebook ran for **{secs / 60:.1f} min** there{mode or ' in full mode'}."
                if (secs := notebook_seconds(folder, notebook)) is not None else "")))
+        if secs is None and (folder / "parts.json").exists():
+            # a reference made across several commands or sessions: this notebook's part is not done yet
+            done = [p for p, v in json.loads((folder / "parts.json").read_text()).items()
+                    if isinstance(v, dict) and v.get("status") == "done"]
+            display(Markdown(f"That run has not reached this notebook yet (parts done: {', '.join(done) or 'none'}). "
+                             "Nothing below comes from it for this notebook."))
+            continue
         rows = results(folder, notebook)
         if len(rows):
             display(_result_table(rows))
@@ -312,7 +319,8 @@ def _part_meta(out: Path, smoke: bool) -> None:
         "cuda_version": torch.version.cuda,
         "cudnn_version": torch.backends.cudnn.version() if cuda else None,
         "python_version": platform.python_version(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        # a device machine gets a copy of the working tree without .git: the command names the commit
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("DDPM_GIT_COMMIT", ""),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "cpu_cores": os.cpu_count(),
     }

@@ -11,6 +11,8 @@
 # notebooks' archive. Back here: `python -m ddpm_core.reference unpack <archive>` (full mode only; a
 # shakedown's archive is for reading, never for data/reference), then commit data/reference/<gpu>/ and figures/.
 # The next command (or session) carries the committed folder and goes on from the first part not done.
+# The copy of the repo there has no .git: start the command with DDPM_GIT_COMMIT=$(git rev-parse HEAD) (its
+# value, written here) so that meta.json names the commit the run measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_call_out}

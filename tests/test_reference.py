@@ -303,3 +303,31 @@ def test_gpu_call_runs_its_parts_and_leaves_the_archive_and_the_log_in_OUT(tmp_p
     with tarfile.open(tmp_path / "OUT" / "cpu-full.tar.gz") as tar:
         assert "cpu-full/meta.json" in tar.getnames()
     assert "[meta] done" in (tmp_path / "OUT" / "run.log").read_text()
+
+
+def test_meta_names_the_commit_from_the_environment_where_the_copy_has_no_git(tmp_path, monkeypatch):
+    monkeypatch.setattr(reference, "_git", lambda *a: "")
+    monkeypatch.setenv("DDPM_GIT_COMMIT", "0123456789abcdef")
+    reference._part_meta(tmp_path, smoke=True)
+    assert reference.meta(tmp_path)["git_commit"] == "0123456789abcdef"
+
+
+def test_a_reference_that_has_not_reached_a_notebook_says_so_and_shows_nothing_for_it(tmp_path, monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(getattr(obj, "data", obj)))
+    monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path))
+    folder = tmp_path / "h100-80gb-hbm3"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "mode": "full",
+                                                  "torch_version": "2.11.0+cu130", "date": "2026-11-24"}))
+    (folder / "parts.json").write_text(json.dumps({"_mode": "full", "meta": {"status": "done", "seconds": 1},
+                                                   "nb-02": {"status": "done", "seconds": 90,
+                                                             "notebooks": {"02_profile_the_baseline": 88.0}}}))
+    _rows("02_profile_the_baseline", ["eager"]).to_csv(folder / "results.csv", index=False)
+    assert reference.show("03_batch_size", figures=[]) is True
+    text = " ".join(map(str, shown))
+    assert "has not reached this notebook yet (parts done: meta, nb-02)" in text and "eager" not in text
+    shown.clear()
+    reference.show("02_profile_the_baseline", figures=[])
+    text = " ".join(map(str, shown))
+    assert "ran for **1.5 min**" in text and "not reached" not in text
