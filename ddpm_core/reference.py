@@ -524,6 +524,12 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         start = time.perf_counter()
         try:
             detail = actions[part]() or {}
+        except KeyboardInterrupt:  # the deadline's SIGINT (scripts/gpu_call.sh) or Ctrl+C: keep what it shows
+            status[part] = {"status": "interrupted", "seconds": round(time.perf_counter() - start, 1)}
+            status_path.write_text(json.dumps(status, indent=1))
+            print(f"[{part}] INTERRUPTED after {status[part]['seconds']:.0f} s: packing what it wrote", flush=True)
+            _archive_to(out, archive_to)  # the executed notebook so far (papermill saves it as cells end)
+            raise
         except Exception as e:
             seconds = time.perf_counter() - start
             total += seconds

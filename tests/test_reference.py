@@ -331,3 +331,18 @@ def test_a_reference_that_has_not_reached_a_notebook_says_so_and_shows_nothing_f
     reference.show("02_profile_the_baseline", figures=[])
     text = " ".join(map(str, shown))
     assert "ran for **1.5 min**" in text and "not reached" not in text
+
+
+def test_an_interrupted_part_is_recorded_and_packed_before_the_interrupt_goes_on(tmp_path, monkeypatch):
+    def interrupted(out, smoke, pre, *a):
+        (out / "notebooks").mkdir(exist_ok=True)
+        (out / "notebooks" / "04_torch_compile.ipynb").write_text("{}")  # what papermill saved so far
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reference, "_part_notebooks", interrupted)
+    out, dest = tmp_path / "ref", tmp_path / "OUT"
+    with pytest.raises(KeyboardInterrupt):
+        reference.run(out, smoke=True, parts=["nb-04", "nb-05-06"], archive_to=dest)
+    assert json.loads((out / "parts.json").read_text())["nb-04"]["status"] == "interrupted"
+    with tarfile.open(dest / "ref.tar.gz") as tar:
+        assert "ref/notebooks/04_torch_compile.ipynb" in tar.getnames()
