@@ -30,7 +30,17 @@ fi
 export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 echo "gpu_call: wheels installed in $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
-python3 -c "import torch, ddpm_core; print('torch', torch.__version__, '| cuda', torch.cuda.is_available())" || exit 3
+python3 - <<'PY' || exit 3
+import importlib.metadata as md, torch, ddpm_core  # noqa: F401  (fails here, not in the first notebook)
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "MISSING"
+print("torch", torch.__version__, "| cuda", torch.cuda.is_available(), "|", " ".join(
+    f"{n} {version(n)}" for n in ("numpy", "pandas", "matplotlib", "HolisticTraceAnalysis", "papermill", "ipykernel",
+                                  "diffusers", "denoising_diffusion_pytorch", "huggingface_hub", "pytest")))
+PY
 left=$(( ${DEADLINE_S:-560} - ($(date +%s) - start) ))
 if [ "${1:-}" = "--shakedown" ]; then
   shift
