@@ -402,3 +402,24 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
     df = df.reindex(df["time change (us)"].abs().sort_values(ascending=False).index).head(top)
     df = df.reset_index()
     return df.rename(columns={df.columns[0]: "name"})
+
+
+def diff_summary(changed: pd.DataFrame, what: str = "operators") -> str:
+    """One sentence from a ``diff`` table, its counts read from the ``change`` column (never assumed):
+    how many of the rows vanished, appeared, ran more / fewer / as many times, and the biggest change."""
+    n = changed["change"].value_counts()
+    parts = [f"**{n.get(k, 0)}** {label}" for k, label in
+             [("vanished", "vanished (no calls after)"), ("appeared", "appeared (no calls before)"),
+              ("more calls", "ran more times"), ("fewer calls", "ran fewer times")] if n.get(k, 0)]
+    same = changed[changed["change"] == "same calls"]
+    if len(same):
+        up, down = int((same["time change (us)"] > 0).sum()), int((same["time change (us)"] < 0).sum())
+        parts.append(f"**{len(same)}** ran as many times as before but took " + (
+            "longer" if not down else "less time" if not up else f"longer ({up}) or less time ({down})"))
+    listed = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] if parts else "none changed"
+    top = changed.iloc[0] if len(changed) else None
+    biggest = "" if top is None else (
+        f" Biggest change: `{top['name']}` ({top['calls before']:.0f} -> {top['calls after']:.0f} calls, "
+        f"{top['time change (us)'] / 1e3:+.1f} ms).")
+    return f"Of the {len(changed)} {what} whose time changed most, {listed}.{biggest}"
+

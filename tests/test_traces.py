@@ -274,3 +274,17 @@ def test_per_rank_turns_hta_wide_tables_to_one_column_per_rank():
     assert traces.per_rank(None) is None
     several = pd.concat([df, df])  # several rows per rank (per stream, say): left as it is
     assert traces.per_rank(several) is several
+
+
+def test_diff_summary_counts_each_kind_of_change_from_the_table_and_never_claims_a_count_change():
+    d = pd.DataFrame({"name": ["aten::convolution_backward", "aten::bmm", "aten::_flash", "aten::add_", "aten::mul"],
+                      "calls before": [43, 12, 0, 10, 5], "calls after": [43, 0, 6, 10, 7],
+                      "time change (us)": [96_100.0, -5_000.0, 2_000.0, -300.0, 100.0],
+                      "change": ["same calls", "vanished", "appeared", "same calls", "more calls"]})
+    text = traces.diff_summary(d)
+    assert text.startswith("Of the 5 operators whose time changed most, **1** vanished (no calls after), "
+                           "**1** appeared (no calls before), **1** ran more times and **2** ran as many times")
+    assert "longer (1) or less time (1)" in text and "fewer" not in text
+    assert "`aten::convolution_backward` (43 -> 43 calls, +96.1 ms)" in text
+    only_same = traces.diff_summary(d[d["change"] == "same calls"].head(1), "kernels")
+    assert only_same.startswith("Of the 1 kernels") and "**1** ran as many times as before but took longer." in only_same
