@@ -151,3 +151,14 @@ def show(device: torch.device | str | None = None) -> tuple[torch.device, str]:
     print(text)
     display(pd.Series(describe(device), name="value").to_frame())
     return device, text
+
+
+def measured_on(label: str, what: str = "Measured") -> "object":
+    """The caption a table of measurements is shown under, naming the device and torch version:
+    ``display(env.measured_on(LABEL))``. A Markdown object (plain text where IPython is absent)."""
+    text = f"*{what} on {label}:*"
+    try:
+        from IPython.display import Markdown
+    except ImportError:  # pragma: no cover - IPython comes with the notebooks' dependencies
+        return text
+    return Markdown(text)

@@ -397,3 +397,10 @@ def test_add_peak_teaches_a_gpu_for_the_session_and_refuses_rows_without_figures
 def test_with_spread_puts_the_p10_p90_range_beside_each_median():
     assert bench.with_spread([5.21, 10], [4.4, 9], [5.94, 12]) == ["5.2 (4.4-5.9)", "10.0 (9.0-12.0)"]
     assert bench.with_spread([1.234], [1.2], [1.3], digits=2) == ["1.23 (1.20-1.30)"]
+
+
+def test_measured_on_captions_a_table_with_the_device_label():
+    from ddpm_core import env
+
+    cap = env.measured_on("CPU (AMD EPYC, 2 threads) · torch 2.14.1", "Traced")
+    assert getattr(cap, "data", cap) == "*Traced on CPU (AMD EPYC, 2 threads) · torch 2.14.1:*"
