@@ -46,11 +46,13 @@ if [ "${1:-}" = "--shakedown" ]; then
   shift
   parts=("$@")
   [ ${#parts[@]} -gt 0 ] || parts=(nb-00-01 nb-02 nb-03 nb-04 nb-05-06 nb-07-08 nb-09 nb-09b nb-10 gpu-tests)
-  timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --smoke --keep-going --out /tmp/shakedown \
+  shake=${SHAKEDOWN_DIR:-/tmp/shakedown}
+  timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --smoke --keep-going --out "$shake" \
     --parts "${parts[@]}" 2>&1 | tee "$OUT/run.log"
   rc=${PIPESTATUS[0]}
   # the executed notebooks (with their tracebacks) and parts.json: what a shakedown is read for
-  tar -czf "$OUT/shakedown.tar.gz" -C /tmp shakedown/parts.json shakedown/notebooks shakedown/tests.log 2>/dev/null
+  tar -czf "$OUT/shakedown.tar.gz" -C "$(dirname "$shake")" "$(basename "$shake")/parts.json" \
+    "$(basename "$shake")/notebooks" $( [ -f "$shake/tests.log" ] && echo "$(basename "$shake")/tests.log")
 else
   timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --full --archive-to "$OUT" --parts "$@" 2>&1 \
     | tee "$OUT/run.log"
