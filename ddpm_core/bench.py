@@ -637,7 +637,7 @@ class Comparison:
             return "not compared: too noisy (see the warning)"
         r = self.speedup(a, b)
         if r is None:
-            return f"no measurable difference from {b.name} at this noise level (p10-p90 ranges overlap)"
+            return f"no measurable difference from {b.name} at this noise level (their per-image p10-p90 ranges overlap)"
         return f"{r:.2f}x the throughput of {b.name}" + (" (faster)" if r > 1 else " (slower)")
 
     def best(self) -> tuple[Measurement, list[Measurement]]:

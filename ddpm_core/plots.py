@@ -479,6 +479,17 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
     return _suptitle(fig, title, label)
 
 
+def short_name(name: str, width: int = 48) -> str:
+    """An operator or kernel name cut in the middle to ``width`` characters: both ends stay, so
+    ``..._flash_attention_for_cpu`` and ``..._flash_attention_for_cpu_backward`` stay apart
+    (pandas and a plain cut keep the start only, and they read alike)."""
+    name = str(name)
+    if len(name) <= width:
+        return name
+    head = (width - 3) // 2 + (width - 3) % 2
+    return name[:head] + "..." + name[-(width - 3 - head):]
+
+
 def trace_diff_bars(diff, *, label: str | None = None, title: str = "What changed in the trace") -> "plt.Figure":
     """The rows of ``traces.diff``: time change per operator or kernel, green where time was saved,
     red where it was added, with the call counts before -> after."""
@@ -487,7 +498,7 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(diff) + 1.6))
     ms = diff["time change (us)"] / 1e3
     ax.barh(range(len(diff)), ms, color=["C2" if v < 0 else "C3" for v in ms])
-    names = [(n if len(n) <= 48 else n[:24] + "..." + n[-21:]) for n in diff["name"].astype(str)]
+    names = [short_name(n) for n in diff["name"].astype(str)]
     ax.set_yticks(range(len(diff)), [f"{n}  ({b:.0f} -> {a:.0f} calls)" for n, b, a in
                                      zip(names, diff["calls before"], diff["calls after"])], fontsize=8)
     ax.axvline(0, color="k", lw=0.8)

@@ -169,3 +169,13 @@ def test_a_legend_over_a_label_is_found_and_warned_about(tmp_path, monkeypatch):
     fig.tight_layout()
     assert plots.legend_overlaps(fig) == []
     plt.close(fig)
+
+
+def test_short_name_keeps_both_ends_so_forward_and_backward_kernels_stay_apart():
+    from ddpm_core.plots import short_name
+
+    fwd = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    bwd = "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+    assert short_name("aten::add_") == "aten::add_"
+    a, b = short_name(fwd, 40), short_name(bwd, 40)
+    assert len(a) == len(b) == 40 and a != b and b.endswith("cpu_backward") and a.startswith("aten::_scaled")
