@@ -754,8 +754,8 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
         ax.axvline(x, color=color, ls=ls, lw=1.2, label=text)
     ax.set_xlim(0, max(x for x, *_ in lines + [(df["TFLOP/s"].max(),)]) * 1.35)
     ax.set_xlabel(f"TFLOP/s, forward + backward, {c.precision}" + (", channels_last" if c.channels_last else ""))
-    ax.legend(fontsize=7, loc="lower right")
     _title(ax, f"{title}\n{c.model}, batch {c.batch_size}: the {min(top, len(c.shapes))} shapes with most conv time", label)
+    legend_below(ax, fontsize=7)  # below the axes: inside, it covered a bar's label whenever a long bar sat under it
     fig.tight_layout()
     return fig
 

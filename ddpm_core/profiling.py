@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import re
+import warnings
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def capture(
         trace.setdefault("ddpm_core", {})["device"] = str(device)
         atomic_write_bytes(final, gzip.compress(json.dumps(trace).encode(), compresslevel=6))
 
-    with native_stderr_filtered(), profile(
+    with native_stderr_filtered(), quiet_profiler_warnings(), profile(
         activities=activities,
         schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
         on_trace_ready=on_ready,
@@ -114,6 +115,16 @@ def capture(
                 torch.cuda.synchronize(device)
             prof.step()
     return Capture(trace_path=final, trace_dir=out_dir, profiler=prof, device=device, steps=active)
+
+
+@contextlib.contextmanager
+def quiet_profiler_warnings():
+    """Ignore torch's "Profiler clears events at the end of each cycle" warning (torch 2.11 prints it in every
+    notebook that profiles, in red). Our schedules have one cycle (``repeat=1``), so "the events of the current
+    cycle" are all of them: the warning says nothing about these captures. Other warnings still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*Profiler clears events at the end of each cycle")
+        yield
 
 
 # Lines the profiler's C++ side (Kineto) writes straight to file descriptor 2 that carry no news:

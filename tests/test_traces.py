@@ -288,3 +288,20 @@ def test_diff_summary_counts_each_kind_of_change_from_the_table_and_never_claims
     assert "`aten::convolution_backward` (43 -> 43 calls, +96.1 ms)" in text
     only_same = traces.diff_summary(d[d["change"] == "same calls"].head(1), "kernels")
     assert only_same.startswith("Of the 1 kernels") and "**1** ran as many times as before but took longer." in only_same
+
+
+def test_the_profilers_one_cycle_warning_is_quieted_and_other_warnings_are_not(tmp_path):
+    """torch 2.11 (the GPU machine's) warns "Profiler clears events at the end of each cycle" at every capture; our
+    captures have one cycle, so it says nothing, and it printed in red in every notebook that profiles."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with profiling.quiet_profiler_warnings():
+            warnings.warn("Warning: Profiler clears events at the end of each cycle.Only events from the current cycle")
+            warnings.warn("something else")
+        t = build(tiny_config(tmp_path, batch_size=2))
+        profiling.capture(t.train_step, torch.rand(2, 3, 32, 32) * 2 - 1, out_dir=tmp_path / "cap", wait=0, warmup=1, active=1)
+    texts = [str(w.message) for w in seen]
+    assert "something else" in texts
+    assert not [m for m in texts if "clears events" in m], texts
