@@ -14,9 +14,9 @@ import gzip
 import json
 import os
 import re
-import warnings
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
