@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -150,11 +152,28 @@ def mark_noise(fig: "plt.Figure", noise: Any) -> "plt.Figure":
 
     if noise is None or not noise.noisy:
         return fig
+    # No speedup is stated from a noisy run: the figure drops its "(1.23x)" ratio labels too, keeping the values
+    for ax in fig.axes:
+        for t in ax.texts:
+            t.set_text(re.sub(r"\s*\(\d+(?:\.\d+)?x\)", "", t.get_text()))
+    # below everything the axes drew (tick labels, axis labels, legends under the axes), so it covers none of it
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes] + [leg.get_window_extent(renderer) for leg in fig.legends]
+    bottom = min([b.y0 for b in boxes if b is not None] + [0.0]) / fig.bbox.height
     text = "\n".join(textwrap.wrap("NOISY MEASUREMENT. " + noise.warning(), 130))
-    fig.text(0.5, -0.01, text, ha="center", va="top", fontsize=8, color="#b00020")
+    fig.text(0.5, bottom - 0.01, text, ha="center", va="top", fontsize=8, color="#b00020")
     fig.patch.set_edgecolor("#b00020")
     fig.patch.set_linewidth(3)
     return fig
+
+
+def _ratio_text(ratio: float, name: str, base_name: str, comparison: Any = None) -> str:
+    """A bar's speedup label: the ratio of the two medians, or, where ``comparison`` (a ``bench.Comparison``
+    holding both variants) finds no measurable difference, "within noise" - as the text beside the figure says."""
+    if comparison is None or name == base_name:
+        return f"{ratio:.2f}x"
+    return "within noise" if comparison.speedup(name, base_name) is None else f"{ratio:.2f}x"
 
 
 def _title(ax, title: str, label: str | None) -> None:
@@ -212,7 +231,8 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
     if memory in df and df[memory].notna().any():
         ax2 = ax.twinx()
         ax2.plot(df[x], df[memory], marker="s", ls="--", color="C1", label="peak memory")
-        ax2.set_ylabel("peak memory (GiB)", color="C1")
+        kind = df["memory_kind"].dropna().iloc[0] if "memory_kind" in df and df["memory_kind"].notna().any() else ""
+        ax2.set_ylabel(textwrap.fill(f"memory (GiB): {kind}", 30) if kind else "peak memory (GiB)", color="C1")
         ax2.grid(False)
     ax.set_title("throughput (solid) and peak memory (dashed)", fontsize=9)
     if panels == 2:
@@ -227,12 +247,13 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
 
 
 def wait_compute_bars(df, *, label: str | None = None, x: str = "variant", wait: str = "data_wait_ms",
-                      compute: str = "compute_ms", title: str = "Data wait vs compute per step") -> "plt.Figure":
+                      compute: str = "compute_ms", title: str = "Data wait vs compute per step",
+                      compute_label: str = "compute") -> "plt.Figure":
     """Stacked bars: time per step waiting for data and computing."""
     set_style()
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(df) + 1.6))
     names = df[x].astype(str)
-    ax.barh(names, df[compute], label="compute", color="C0")
+    ax.barh(names, df[compute], label=compute_label, color="C0")
     ax.barh(names, df[wait], left=df[compute], label="waiting for data", color="C3")
     ax.invert_yaxis()
     ax.set_xlabel("ms per step")
@@ -385,7 +406,8 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
 
 
 def compile_breakeven(rows, *, label: str | None = None, steps: int | None = None,
-                      title: str = "torch.compile: steady-state speed and when it pays off") -> "plt.Figure":
+                      title: str = "torch.compile: steady-state speed and when it pays off",
+                      comparison: Any = None) -> "plt.Figure":
     """Left: steady-state ms/step per variant with speedup over the first (eager). Right: total
     time against the number of steps, first call (compilation) included, with break-even points.
 
@@ -398,8 +420,9 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     bars = ax.barh(rows["name"], rows["median_ms"], color=[f"C{i}" for i in range(len(rows))])
     ax.invert_yaxis()
-    for b, v in zip(bars, rows["median_ms"]):
-        ax.annotate(f"{v:.1f} ms ({base['median_ms'] / v:.2f}x)", (b.get_width(), b.get_y() + b.get_height() / 2),
+    for b, v, name in zip(bars, rows["median_ms"], rows["name"]):
+        ratio = _ratio_text(base["median_ms"] / v, name, base["name"], comparison)
+        ax.annotate(f"{v:.1f} ms ({ratio})", (b.get_width(), b.get_y() + b.get_height() / 2),
                     xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     ax.set_xlim(0, rows["median_ms"].max() * 1.45)
     ax.set_xlabel("ms per step (steady state)")
@@ -442,7 +465,8 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
     for i, (impl, g) in enumerate(micro.groupby("impl", sort=False)):
         axes[1].loglog(g["seq_len"], g["median_ms"], marker="o", color=f"C{i}", label=impl)
         axes[2].loglog(g["seq_len"], g["peak_memory_mib"], marker="o", color=f"C{i}", label=impl)
-    for a, what in ((axes[1], "ms, forward + backward"), (axes[2], "peak memory (MiB)")):
+    kind = micro["memory_kind"].dropna().iloc[0] if "memory_kind" in micro and micro["memory_kind"].notna().any() else ""
+    for a, what in ((axes[1], "ms, forward + backward"), (axes[2], textwrap.fill(f"memory (MiB): {kind}", 30) if kind else "peak memory (MiB)")):
         a.set_xlabel("sequence length N (tokens = H x W)")
         a.set_ylabel(what)
         a.legend(fontsize=8)
@@ -451,7 +475,8 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
     return _suptitle(fig, title, label)
 
 
-def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", title: str = "Throughput and memory") -> "plt.Figure":
+def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", title: str = "Throughput and memory",
+                           comparison: Any = None) -> "plt.Figure":
     """Two panels per variant: images/s with the speedup over the first row, and peak memory."""
     set_style()
     rows = rows.reset_index(drop=True)
@@ -459,8 +484,9 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 2))
     colors = [f"C{i}" for i in range(len(rows))]
     bars = ax.barh(rows[x], rows["images_per_s"], color=colors)
-    for b, v in zip(bars, rows["images_per_s"]):
-        ax.annotate(f"{v:,.0f} ({v / base:.2f}x)", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
+    for b, v, name in zip(bars, rows["images_per_s"], rows[x]):
+        ax.annotate(f"{v:,.0f} ({_ratio_text(v / base, name, rows[x].iloc[0], comparison)})",
+                    (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
                     textcoords="offset points", va="center", fontsize=8)
     ax.set_xlim(0, rows["images_per_s"].max() * 1.35)
     ax.set_xlabel("images / s")

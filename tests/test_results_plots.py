@@ -179,3 +179,41 @@ def test_short_name_keeps_both_ends_so_forward_and_backward_kernels_stay_apart()
     assert short_name("aten::add_") == "aten::add_"
     a, b = short_name(fwd, 40), short_name(bwd, 40)
     assert len(a) == len(b) == 40 and a != b and b.endswith("cpu_backward") and a.startswith("aten::_scaled")
+
+
+def _spread(name, ms, lo, hi, bs=8):
+    m = _measurement(name, ms, bs)
+    m.p10_ms, m.p90_ms = lo, hi
+    return m
+
+
+def _texts(fig):
+    return [t.get_text() for ax in fig.axes for t in ax.texts]
+
+
+def test_a_bar_label_states_a_ratio_only_where_the_comparison_does():
+    """A figure beside a 'no measurable difference' verdict must not print '0.98x' on its bar."""
+    quiet = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={})
+    overlap = bench.Comparison([_spread("eager", 178.0, 170, 190), _spread("compiled", 181.0, 172, 195)], quiet)
+    rows = pd.DataFrame([{**m.row(), "first_ms": f} for m, f in zip(overlap.measurements, (500.0, 90_000.0))])
+    assert "181.0 ms (within noise)" in _texts(plots.compile_breakeven(rows, label="t", comparison=overlap))
+    assert "181.0 ms (0.98x)" in _texts(plots.compile_breakeven(rows, label="t"))  # no comparison given: the ratio
+    apart = bench.Comparison([_spread("fp32", 210.0, 180, 250), _spread("bf16", 2650.0, 2600, 2750)], quiet)
+    labels = _texts(plots.throughput_memory_bars(pd.DataFrame([m.row() for m in apart.measurements]), label="t",
+                                                 comparison=apart))
+    assert labels[:2] == ["38 (1.00x)", "3 (0.08x)"]
+
+
+def test_mark_noise_drops_ratio_labels_and_puts_its_footer_below_the_axis_label():
+    noisy = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={"fp32": 0.34})
+    rows = pd.DataFrame([m.row() for m in (_spread("fp32", 210.0, 180, 250), _spread("bf16", 2650.0, 2600, 2750))])
+    fig = plots.mark_noise(plots.throughput_memory_bars(rows, label="t"), noisy)
+    assert "3" in _texts(fig) and not [t for t in _texts(fig) if t.endswith("x)")]
+    waits = pd.DataFrame({"variant": ["float batches, 0 workers (baseline)", "device-resident dataset (no loader)"],
+                          "compute_ms": [300.0, 300.0], "data_wait_ms": [6.0, 0.0]})
+    fig = plots.mark_noise(plots.wait_compute_bars(waits, label="t"), noisy)  # its axis label once sat under the footer
+    footer = next(t for t in fig.texts if t.get_text().startswith("NOISY MEASUREMENT"))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    top = footer.get_window_extent(renderer).y1
+    assert all(top <= ax.xaxis.label.get_window_extent(renderer).y0 for ax in fig.axes if ax.get_xlabel())
