@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .atomic import atomic_write_text
 from .env import device_name
-from .train import TrainConfig, _init_distributed, _release_group, build
+from .train import TrainConfig, _init_distributed, _release_group, build, exit_worker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,4 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())  # no interpreter finalization under torchrun (exit_worker says why)

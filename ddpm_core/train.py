@@ -942,10 +942,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_worker(code: int) -> typing.NoReturn:
+    """Leave a process that torchrun started: flush stdout and stderr, then ``os._exit(code)``.
+
+    A finished worker's exit must not be able to fail. Interpreter finalization and C++ static
+    destructors still run after ``main`` has released the process group, and on a 2-core machine
+    they have aborted a worker that had finished its work ("terminate called without an active
+    exception", SIGABRT, no Python frame): once in 53 restarted runs, and once in a full CI
+    run after ``_release_group`` was added. torchrun then stops the whole group as failed.
+    Everything a run keeps is written before ``main`` returns (checkpoints are renamed into
+    place, JSON results written atomically), so skipping finalization loses nothing; the two
+    flushes keep the last printed lines. A process not started by torchrun exits normally.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to keep
+            pass
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        sys.exit(code)
+    os._exit(code)
+
+
 if __name__ == "__main__":
     import faulthandler
 
     # A worker that dies of a signal (SIGABRT from C++, SIGSEGV) prints every thread's Python stack first:
     # torchrun's log then shows where a crashed worker was, not only its exit code.
     faulthandler.enable()
-    sys.exit(main())
+    exit_worker(main())

@@ -179,3 +179,22 @@ def test_train_releases_ddp_before_destroying_the_group(tmp_path, monkeypatch):
     assert not dist.is_initialized()
     assert result.trainer.net is result.trainer.model  # sampling and checkpoints need only the plain model
     assert wrappers and wrappers[0]() is None  # the DDP wrapper is gone, and with it its hold on the group
+
+
+_EXIT_PROBE = """
+import atexit, sys
+from ddpm_core.train import exit_worker
+atexit.register(lambda: print("finalized", file=sys.stderr))
+sys.stdout.write("last line, not yet flushed")
+exit_worker(3)
+"""
+
+
+def test_a_torchrun_worker_exits_without_finalization_and_keeps_its_last_output():
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PYTHONUNBUFFERED")}
+    worker = subprocess.run([sys.executable, "-c", _EXIT_PROBE], env={**env, "LOCAL_RANK": "0"},
+                            capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 3 and worker.stdout == "last line, not yet flushed"
+    assert "finalized" not in worker.stderr  # finalization (where the abort happened) is skipped
+    plain = subprocess.run([sys.executable, "-c", _EXIT_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 3 and "finalized" in plain.stderr  # outside torchrun: a normal exit
