@@ -564,7 +564,8 @@ class Noise:
     threads: int = field(default_factory=torch.get_num_threads)
 
     @property
-    def reasons(self) -> list[str]:
+    def busy_reasons(self) -> list[str]:
+        """What other work on the machine did while the rounds ran (then no ratio is stated at all)."""
         out = []
         # The load average counts this run's own threads too (a quiet run with T threads reads about
         # T): what is left above them is other work, and more of it than cores is a busy machine.
@@ -573,6 +574,11 @@ class Noise:
                        f"{self.load_1min - self.threads:.1f} above this run's own {self.threads} threads")
         if self.other_cpu_share > NOISY_OTHER_CPU:
             out.append(f"other processes used {self.other_cpu_share:.0%} of the CPU while it ran")
+        return out
+
+    @property
+    def reasons(self) -> list[str]:
+        out = self.busy_reasons
         wide = {k: v for k, v in self.spreads.items() if v > NOISY_SPREAD}
         if wide:
             out.append("repeats of one configuration spread by more than "
@@ -580,22 +586,36 @@ class Noise:
         return out
 
     @property
+    def busy(self) -> bool:
+        """Other work competed with the run: every variant's times are suspect, so no ratio is stated."""
+        return bool(self.busy_reasons)
+
+    @property
     def noisy(self) -> bool:
         return bool(self.reasons)
 
+    def wide(self, name: str) -> bool:
+        """Whether the repeats of variant ``name`` spread by more than ``NOISY_SPREAD`` of their median."""
+        return self.spreads.get(name, 0.0) > NOISY_SPREAD
+
     def warning(self) -> str:
-        """'' on a quiet run; else one sentence saying why no ratio is reported."""
+        """'' on a quiet run; else one sentence saying why, and which ratios are still stated."""
         if not self.noisy:
             return ""
-        return ("Too noisy to compare: " + "; ".join(self.reasons) + ". No speedup is stated from this run; "
-                "rerun on a quiet machine (close other programs) or with more rounds.")
+        if self.busy:
+            return ("Too noisy to compare: " + "; ".join(self.reasons) + ". No speedup is stated from this run; "
+                    "rerun on a quiet machine (close other programs) or with more rounds.")
+        return ("Noisy repeats: " + "; ".join(self.reasons) + ". A ratio is stated only where two variants' per-image "
+                "p10-p90 ranges lie further apart than the wider range is wide; closer pairs are not compared. "
+                "Rerun on a quiet machine (close other programs) or with more rounds to compare them all.")
 
 
 class Comparison:
     """Variants measured side by side in interleaved rounds, with a verdict per pair.
 
-    ``speedup(a, b)`` is a number only when the run was quiet and the per-image p10-p90 ranges of
-    the two variants do not overlap; otherwise it is None and ``verdict(a, b)`` says why.
+    ``speedup(a, b)`` is a number only when no other work competed with the run and the per-image
+    p10-p90 ranges of the two variants lie apart (further apart than the wider one is wide where a
+    variant's repeats spread widely); otherwise it is None and ``verdict(a, b)`` says why.
     """
 
     def __init__(self, measurements: list[Measurement], noise: Noise, baseline: int = 0, rounds: int = 0):
@@ -620,12 +640,27 @@ class Comparison:
         (a_lo, a_hi), (b_lo, b_hi) = self.per_image_range(self._m(a)), self.per_image_range(self._m(b))
         return a_hi < b_lo or b_hi < a_lo
 
+    def too_close_for_the_spread(self, a: Measurement | str, b: Measurement | str | None = None) -> bool:
+        """Whether ``a`` and ``b`` separate, but one of them spread widely (``Noise.wide``) and the gap
+        between their per-image ranges is narrower than the wider range: then the gap may be the spread's."""
+        a, b = self._m(a), self._m(b)
+        if not self.separated(a, b) or not (self.noise.wide(a.name) or self.noise.wide(b.name)):
+            return False
+        (a_lo, a_hi), (b_lo, b_hi) = self.per_image_range(a), self.per_image_range(b)
+        return max(b_lo - a_hi, a_lo - b_hi) < max(a_hi - a_lo, b_hi - b_lo)
+
     def speedup(self, a: Measurement | str, b: Measurement | str | None = None) -> float | None:
-        """Throughput of ``a`` over ``b`` (default: the baseline), or None when noise hides it."""
+        """Throughput of ``a`` over ``b`` (default: the baseline), or None when noise hides it.
+
+        None on a busy machine (``Noise.busy``: other work competed with every variant), where the
+        per-image p10-p90 ranges overlap, and where one of the two spread widely and the ranges lie
+        closer together than the wider range is wide. A 10x gap stays a 10x gap however wide the
+        spread: only the comparisons the noise can explain are withheld.
+        """
         a, b = self._m(a), self._m(b)
         if a is b:
             return 1.0
-        if self.noise.noisy or not self.separated(a, b):
+        if self.noise.busy or not self.separated(a, b) or self.too_close_for_the_spread(a, b):
             return None
         return a.images_per_s / b.images_per_s
 
@@ -633,25 +668,34 @@ class Comparison:
         a, b = self._m(a), self._m(b)
         if a is b:
             return "baseline"
-        if self.noise.noisy:
+        if self.noise.busy:
             return "not compared: too noisy (see the warning)"
+        if self.too_close_for_the_spread(a, b):
+            return (f"not compared with {b.name}: the repeats spread more widely than the two lie apart (see the warning)")
         r = self.speedup(a, b)
         if r is None:
             return f"no measurable difference from {b.name} at this noise level (their per-image p10-p90 ranges overlap)"
         return f"{r:.2f}x the throughput of {b.name}" + (" (faster)" if r > 1 else " (slower)")
 
+    def factor(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
+        """The short form of ``verdict`` for a table cell: "1.23x", "noisy" or "no measurable difference"."""
+        r = self.speedup(a, b)
+        if r is not None:
+            return f"{r:.2f}x"
+        return "noisy" if self.noise.busy or self.too_close_for_the_spread(a, b) else "no measurable difference"
+
     def best(self) -> tuple[Measurement, list[Measurement]]:
         """The variant with the highest throughput, and the others it cannot be told apart from
-        (per-image p10-p90 ranges overlap; on a noisy run, all of them)."""
+        (no ratio stated between them: ``speedup`` is None; on a busy machine, all of them)."""
         best = max(self.measurements, key=lambda m: m.images_per_s)
-        ties = [m for m in self.measurements if m is not best and (self.noise.noisy or not self.separated(m, best))]
+        ties = [m for m in self.measurements if m is not best and self.speedup(m, best) is None]
         return best, ties
 
     def best_sentence(self) -> str:
         best, ties = self.best()
         if not ties:
             return f"**{best.name}** is the fastest, and its range separates from every other variant's."
-        if self.noise.noisy:
+        if self.noise.busy:
             return f"**{best.name}** had the highest median throughput (img/s), but the run was too noisy to call a winner."
         return (f"**{best.name}** had the highest median throughput (img/s), but it cannot be told apart from "
                 + ", ".join(f"**{m.name}**" for m in ties) + " at this noise level.")
@@ -660,10 +704,7 @@ class Comparison:
         """``summary_table`` with the spread of each variant and the verdict-aware speedup column."""
         t = summary_table(self.measurements, baseline=self.measurements.index(self.baseline))
         t["p10-p90 ms"] = [f"{m.p10_ms:.1f}-{m.p90_ms:.1f}" for m in self.measurements]
-        t["speedup"] = [("1.00x (baseline)" if m is self.baseline else
-                         (f"{r:.2f}x" if (r := self.speedup(m)) is not None else
-                          ("noisy" if self.noise.noisy else "no measurable difference")))
-                        for m in self.measurements]
+        t["speedup"] = ["1.00x (baseline)" if m is self.baseline else self.factor(m) for m in self.measurements]
         return t
 
     def report(self) -> str:
@@ -693,8 +734,8 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
        drift (thermals, another program starting) hits all variants alike. Every variant runs in
        this one process, with the same torch thread count.
     3. Each variant's spread (p10-p90) is kept; the machine's load and other processes' CPU use
-       are recorded while the rounds run. :class:`Comparison` states a ratio only when the run was
-       quiet and the two ranges separate.
+       are recorded while the rounds run. :class:`Comparison` states a ratio only when no other
+       work competed and the two ranges separate by more than the noise explains.
 
     Memory: on CUDA the peak allocated (reserved for CUDA-graph steps) over the variant's own
     rounds; on CPU the bytes saved for backward (:func:`saved_tensor_bytes`).

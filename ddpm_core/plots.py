@@ -146,16 +146,19 @@ def _suptitle(fig: "plt.Figure", title: str, label: str | None, fontsize: int = 
 
 
 def mark_noise(fig: "plt.Figure", noise: Any) -> "plt.Figure":
-    """Stamp a noisy measurement on its figure: a red line under the plot saying why no ratio
-    is reported (``noise`` is a ``bench.Noise``; a quiet run leaves the figure as it is)."""
+    """Stamp a noisy measurement on its figure: a red line under the plot saying why, and which
+    ratios are still reported (``noise`` is a ``bench.Noise``; a quiet run leaves the figure as it is)."""
     import textwrap
 
     if noise is None or not noise.noisy:
         return fig
-    # No speedup is stated from a noisy run: the figure drops its "(1.23x)" ratio labels too, keeping the values
-    for ax in fig.axes:
-        for t in ax.texts:
-            t.set_text(re.sub(r"\s*\(\d+(?:\.\d+)?x\)", "", t.get_text()))
+    if getattr(noise, "busy", True) or not getattr(fig, "ratios_checked", False):
+        # No speedup is stated from a run on a busy machine: the figure drops its "(1.23x)" ratio labels too,
+        # keeping the values. Where only some repeats spread widely, a figure whose labels came from the
+        # comparison itself (``ratios_checked``: a ratio where it holds, "within noise" where not) keeps them.
+        for ax in fig.axes:
+            for t in ax.texts:
+                t.set_text(re.sub(r"\s*\(\d+(?:\.\d+)?x\)", "", t.get_text()))
     # below everything the axes drew (tick labels, axis labels, legends under the axes), so it covers none of it
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
@@ -174,6 +177,12 @@ def _ratio_text(ratio: float, name: str, base_name: str, comparison: Any = None)
     if comparison is None or name == base_name:
         return f"{ratio:.2f}x"
     return "within noise" if comparison.speedup(name, base_name) is None else f"{ratio:.2f}x"
+
+
+def _checked(fig: "plt.Figure", checked: bool) -> "plt.Figure":
+    """Mark a figure whose ratio labels each came from a comparison's verdict (``mark_noise`` keeps them)."""
+    fig.ratios_checked = checked
+    return fig
 
 
 def _title(ax, title: str, label: str | None) -> None:
@@ -441,7 +450,7 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
     ax2.set_xlabel("training steps")
     ax2.set_ylabel("total time (s), compilation included")
     ax2.legend(fontsize=8)
-    return _suptitle(fig, title, label)
+    return _checked(_suptitle(fig, title, label), comparison is not None)
 
 
 def sdpa_figure(model_rows, micro, *, label: str | None = None,
@@ -502,7 +511,7 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
         ax2.set_title("CPU: activations saved for the backward pass\n(the part of a step's memory that batch, precision and attention change)", fontsize=8)
     for a in (ax, ax2):
         a.invert_yaxis()
-    return _suptitle(fig, title, label)
+    return _checked(_suptitle(fig, title, label), comparison is not None)
 
 
 def short_name(name: str, width: int = 48) -> str:
@@ -558,7 +567,7 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
     ax.set_xlim(0, cum.max() * 1.3)
     ax.set_xlabel("speedup over the baseline (images/s ratio, same run)")
     _title(ax, title, label)
-    return fig
+    return _checked(fig, separated is not None)
 
 
 def table_figure(df, *, label: str | None = None, title: str = "Summary") -> "plt.Figure":

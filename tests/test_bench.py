@@ -256,6 +256,29 @@ def test_a_noisy_run_states_no_ratio_at_all():
     assert wide.noisy and "base: 40%" in wide.warning()
 
 
+def test_wide_repeats_withhold_only_the_ratios_the_spread_can_explain():
+    # 06's smoke run on this AVX2 CPU: bf16 2602-2751 ms against fp32 179-250 ms (a 33% spread) was "too noisy"
+    fp32, bf16 = _fake("fp32", 210, spread=0.17), _fake("bf16", 2650, spread=0.03)
+    close = _fake("close", 265, spread=0.03)  # separate from fp32's range, but by less than its width
+    same = _fake("same", 215, spread=0.03)
+    noise = bench.Noise(cores=2, load_1min=0.5, other_cpu_share=0.0,
+                        spreads={"fp32": 0.34, "bf16": 0.06, "close": 0.06, "same": 0.06})
+    assert noise.noisy and not noise.busy
+    c = bench.Comparison([fp32, bf16, close, same], noise)
+    assert c.speedup("bf16") == pytest.approx(210 / 2650, rel=1e-6) and "(slower)" in c.verdict("bf16")
+    assert c.separated("close") and c.too_close_for_the_spread("close")
+    assert c.speedup("close") is None and "spread more widely than the two lie apart" in c.verdict("close")
+    assert c.speedup("same") is None and "no measurable difference" in c.verdict("same")
+    assert list(c.table()["speedup"]) == ["1.00x (baseline)", "0.08x", "noisy", "no measurable difference"]
+    assert "Noisy repeats" in noise.warning() and "further apart than the wider range is wide" in noise.warning()
+    best, ties = c.best()
+    assert best.name == "fp32" and {m.name for m in ties} == {"close", "same"}
+    # the same ranges on a busy machine: nothing is compared
+    busy = bench.Comparison([fp32, bf16], bench.Noise(cores=2, load_1min=0.5, other_cpu_share=0.6, spreads=noise.spreads))
+    assert busy.noise.busy and busy.speedup("bf16") is None and busy.factor("bf16") == "noisy"
+    assert "Too noisy to compare" in busy.noise.warning()
+
+
 def test_scaling_efficiency_above_1_05_is_a_measurement_problem_not_a_result():
     assert bench.scaling_efficiency(100.0, 190.0, 2) == (pytest.approx(0.95), "")
     eff, note = bench.scaling_efficiency(100.0, 1092.0, 2)  # the 546% a busy machine printed

@@ -209,6 +209,13 @@ def test_mark_noise_drops_ratio_labels_and_puts_its_footer_below_the_axis_label(
     rows = pd.DataFrame([m.row() for m in (_spread("fp32", 210.0, 180, 250), _spread("bf16", 2650.0, 2600, 2750))])
     fig = plots.mark_noise(plots.throughput_memory_bars(rows, label="t"), noisy)
     assert "3" in _texts(fig) and not [t for t in _texts(fig) if t.endswith("x)")]
+    # labels drawn from the comparison's own verdicts keep the ratios the comparison states (a 12.6x gap is not noise)
+    cmp = bench.Comparison([_spread("fp32", 210.0, 180, 250), _spread("bf16", 2650.0, 2600, 2750)], noisy)
+    fig = plots.mark_noise(plots.throughput_memory_bars(rows, label="t", comparison=cmp), noisy)
+    assert [t for t in _texts(fig) if t.endswith("(0.08x)")]
+    busy = bench.Noise(cores=2, load_1min=9.0, other_cpu_share=0.0, spreads={}, threads=2)
+    fig = plots.mark_noise(plots.throughput_memory_bars(rows, label="t", comparison=cmp), busy)
+    assert not [t for t in _texts(fig) if t.endswith("x)")]
     waits = pd.DataFrame({"variant": ["float batches, 0 workers (baseline)", "device-resident dataset (no loader)"],
                           "compute_ms": [300.0, 300.0], "data_wait_ms": [6.0, 0.0]})
     fig = plots.mark_noise(plots.wait_compute_bars(waits, label="t"), noisy)  # its axis label once sat under the footer
