@@ -401,11 +401,17 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
     set_style()
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = ["-", "--", "-.", ":"]
+    drawn: dict[str, "pd.Series"] = {}
     for i, (name, points) in enumerate(curves.items()):
         s = pd.Series([v for _, v in points], index=[k for k, _ in points])
+        # a curve that lies on an earlier one (within 0.1% at every step) hides it: the legend says so
+        under = next((n for n, d in drawn.items() if d.index.equals(s.index)
+                      and ((s - d).abs() <= 1e-3 * d.abs()).all()), None)
+        drawn[name] = s
         ax.plot(s.index, s.values, color=f"C{i}", alpha=0.25, lw=0.8)
         ax.plot(s.index, s.rolling(max(1, min(smooth, len(s) // 3 or 1)), min_periods=1).mean(), color=f"C{i}",
-                ls=styles[i % len(styles)], label=name)  # distinct styles: overlapping curves stay visible
+                ls=styles[i % len(styles)],  # distinct styles: overlapping curves stay visible
+                label=name if under is None else f"{name}, on top of {under.split(' (')[0]}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(r"loss $\|\epsilon-\epsilon_\theta\|^2$")
     ax.set_yscale("log")

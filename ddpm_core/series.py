@@ -139,7 +139,8 @@ def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | 
     before = {name: (figures / name).stat().st_mtime_ns if (figures / name).exists() else None for name in expected}
     start = time.perf_counter()
     try:
-        with temporary_env({"DDPM_SMOKE": "1" if smoke else "0", "DDPM_FIGURES_DIR": str(figures)}):
+        # DDPM_HEADLESS: no frontend is attached, so notebooks leave out live widgets (00's slider)
+        with temporary_env({"DDPM_SMOKE": "1" if smoke else "0", "DDPM_FIGURES_DIR": str(figures), "DDPM_HEADLESS": "1"}):
             pm.execute_notebook(str(notebook), str(executed), parameters=parameters or {}, cwd=str(notebook.parent),
                                 kernel_name="python3", progress_bar=False, execution_timeout=timeout)
     except pm.PapermillExecutionError as e:

@@ -91,6 +91,17 @@ def test_the_harness_fails_a_notebook_that_skips_a_declared_figure(tmp_path):
     assert json.loads((tmp_path / "out" / "99_probe.ipynb").read_text())["cells"]
 
 
+def test_a_headless_run_tells_the_kernel_so_and_00_leaves_its_live_slider_out(tmp_path):
+    """A widget that captures output (00's interact slider) sometimes left papermill waiting forever for
+    the cell to end, with the kernel idle (seen in CI; nbclient#312): headless runs leave it out."""
+    src = "import os\nprint('headless:', os.environ.get('DDPM_HEADLESS'))"
+    series.run_notebook(_notebook(tmp_path, src, []), tmp_path / "out", smoke=True, figures=tmp_path / "figs")
+    out = json.loads((tmp_path / "out" / "99_probe.ipynb").read_text())
+    assert "headless: 1" in "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
+    code = _code("00_setup")
+    assert 'if os.environ.get("DDPM_HEADLESS") == "1":' in code and "widgets.interact(" in code.split("DDPM_HEADLESS")[1]
+
+
 # ------------------------------------------------------------------------------ full mode fits any single GPU
 def _code(stem: str) -> str:
     nb = next(n for n in NOTEBOOKS if n.stem == stem)

@@ -224,3 +224,11 @@ def test_mark_noise_drops_ratio_labels_and_puts_its_footer_below_the_axis_label(
     renderer = fig.canvas.get_renderer()
     top = footer.get_window_extent(renderer).y1
     assert all(top <= ax.xaxis.label.get_window_extent(renderer).y0 for ax in fig.axes if ax.get_xlabel())
+
+
+def test_a_loss_curve_lying_on_an_earlier_one_says_so_in_the_legend():
+    same = [(i, 1 / i) for i in range(1, 16)]
+    fig = plots.loss_curves({"adam (lr 0.001)": same, "adamw (lr 0.001)": [(i, v * (1 + 1e-5)) for i, v in same],
+                             "sgd (lr 0.05)": [(i, 0.9 / i) for i in range(1, 16)]})
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["adam (lr 0.001)", "adamw (lr 0.001), on top of adam", "sgd (lr 0.05)"]
