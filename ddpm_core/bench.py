@@ -598,16 +598,19 @@ class Noise:
         """Whether the repeats of variant ``name`` spread by more than ``NOISY_SPREAD`` of their median."""
         return self.spreads.get(name, 0.0) > NOISY_SPREAD
 
-    def warning(self) -> str:
-        """'' on a quiet run; else one sentence saying why, and which ratios are still stated."""
+    def warning(self, rule: str | None = None) -> str:
+        """'' on a quiet run; else why, and which ratios are still stated: ``Comparison``'s rule, or
+        ``rule`` where the caller compares by its own (a spread-only warning then ends with it)."""
         if not self.noisy:
             return ""
         if self.busy:
             return ("Too noisy to compare: " + "; ".join(self.reasons) + ". No speedup is stated from this run; "
                     "rerun on a quiet machine (close other programs) or with more rounds.")
-        return ("Noisy repeats: " + "; ".join(self.reasons) + ". A ratio is stated only where two variants' per-image "
-                "p10-p90 ranges lie further apart than the wider range is wide; closer pairs are not compared. "
-                "Rerun on a quiet machine (close other programs) or with more rounds to compare them all.")
+        if rule is None:
+            rule = ("A ratio is stated only where two variants' per-image p10-p90 ranges lie further apart than the "
+                    "wider range is wide; closer pairs are not compared. Rerun on a quiet machine (close other "
+                    "programs) or with more rounds to compare them all.")
+        return ("Noisy repeats: " + "; ".join(self.reasons) + ". " + rule).strip()
 
 
 class Comparison:

@@ -145,9 +145,10 @@ def _suptitle(fig: "plt.Figure", title: str, label: str | None, fontsize: int = 
     return fig
 
 
-def mark_noise(fig: "plt.Figure", noise: Any) -> "plt.Figure":
+def mark_noise(fig: "plt.Figure", noise: Any, rule: str | None = None) -> "plt.Figure":
     """Stamp a noisy measurement on its figure: a red line under the plot saying why, and which
-    ratios are still reported (``noise`` is a ``bench.Noise``; a quiet run leaves the figure as it is)."""
+    ratios are still reported (``noise`` is a ``bench.Noise``; a quiet run leaves the figure as it is).
+    ``rule``: what the figure's own comparison states despite the noise (``Noise.warning``)."""
     import textwrap
 
     if noise is None or not noise.noisy:
@@ -164,7 +165,7 @@ def mark_noise(fig: "plt.Figure", noise: Any) -> "plt.Figure":
     renderer = fig.canvas.get_renderer()
     boxes = [ax.get_tightbbox(renderer) for ax in fig.axes] + [leg.get_window_extent(renderer) for leg in fig.legends]
     bottom = min([b.y0 for b in boxes if b is not None] + [0.0]) / fig.bbox.height
-    text = "\n".join(textwrap.wrap("NOISY MEASUREMENT. " + noise.warning(), 130))
+    text = "\n".join(textwrap.wrap("NOISY MEASUREMENT. " + noise.warning(rule), 130))
     fig.text(0.5, bottom - 0.01, text, ha="center", va="top", fontsize=8, color="#b00020")
     fig.patch.set_edgecolor("#b00020")
     fig.patch.set_linewidth(3)

@@ -271,6 +271,8 @@ def test_wide_repeats_withhold_only_the_ratios_the_spread_can_explain():
     assert c.speedup("same") is None and "no measurable difference" in c.verdict("same")
     assert list(c.table()["speedup"]) == ["1.00x (baseline)", "0.08x", "noisy", "no measurable difference"]
     assert "Noisy repeats" in noise.warning() and "further apart than the wider range is wide" in noise.warning()
+    own = noise.warning(rule="No efficiency is stated.")  # a caller that compares by its own rule says so instead
+    assert own.endswith("No efficiency is stated.") and "further apart" not in own
     best, ties = c.best()
     assert best.name == "fp32" and {m.name for m in ties} == {"close", "same"}
     # the same ranges on a busy machine: nothing is compared
