@@ -607,9 +607,10 @@ class Noise:
             return ("Too noisy to compare: " + "; ".join(self.reasons) + ". No speedup is stated from this run; "
                     "rerun on a quiet machine (close other programs) or with more rounds.")
         if rule is None:
-            rule = ("A ratio is stated only where two variants' per-image p10-p90 ranges lie further apart than the "
-                    "wider range is wide; closer pairs are not compared. Rerun on a quiet machine (close other "
-                    "programs) or with more rounds to compare them all.")
+            rule = ("Where a variant spread that widely, a ratio is stated only if the two per-image p10-p90 ranges "
+                    f"lie at least {NOISY_SPREAD:.0%} apart (the slower one's p10 against the faster one's p90); "
+                    "closer pairs are not compared. Rerun on a quiet machine (close other programs) or with more "
+                    "rounds to compare them all.")
         return ("Noisy repeats: " + "; ".join(self.reasons) + ". " + rule).strip()
 
 
@@ -617,8 +618,8 @@ class Comparison:
     """Variants measured side by side in interleaved rounds, with a verdict per pair.
 
     ``speedup(a, b)`` is a number only when no other work competed with the run and the per-image
-    p10-p90 ranges of the two variants lie apart (further apart than the wider one is wide where a
-    variant's repeats spread widely); otherwise it is None and ``verdict(a, b)`` says why.
+    p10-p90 ranges of the two variants lie apart (at least 25% apart where a variant's repeats spread
+    widely); otherwise it is None and ``verdict(a, b)`` says why.
     """
 
     def __init__(self, measurements: list[Measurement], noise: Noise, baseline: int = 0, rounds: int = 0):
@@ -644,21 +645,23 @@ class Comparison:
         return a_hi < b_lo or b_hi < a_lo
 
     def too_close_for_the_spread(self, a: Measurement | str, b: Measurement | str | None = None) -> bool:
-        """Whether ``a`` and ``b`` separate, but one of them spread widely (``Noise.wide``) and the gap
-        between their per-image ranges is narrower than the wider range: then the gap may be the spread's."""
+        """Whether ``a`` and ``b`` separate, but one of them spread widely (``Noise.wide``) and their
+        per-image ranges lie less than ``NOISY_SPREAD`` apart (the slower one's p10 under 1.25x the
+        faster one's p90): a gap that small could be the spread's."""
         a, b = self._m(a), self._m(b)
         if not self.separated(a, b) or not (self.noise.wide(a.name) or self.noise.wide(b.name)):
             return False
         (a_lo, a_hi), (b_lo, b_hi) = self.per_image_range(a), self.per_image_range(b)
-        return max(b_lo - a_hi, a_lo - b_hi) < max(a_hi - a_lo, b_hi - b_lo)
+        slow_p10, fast_p90 = (a_lo, b_hi) if a_lo > b_hi else (b_lo, a_hi)
+        return slow_p10 < (1 + NOISY_SPREAD) * fast_p90
 
     def speedup(self, a: Measurement | str, b: Measurement | str | None = None) -> float | None:
         """Throughput of ``a`` over ``b`` (default: the baseline), or None when noise hides it.
 
         None on a busy machine (``Noise.busy``: other work competed with every variant), where the
         per-image p10-p90 ranges overlap, and where one of the two spread widely and the ranges lie
-        closer together than the wider range is wide. A 10x gap stays a 10x gap however wide the
-        spread: only the comparisons the noise can explain are withheld.
+        less than 25% apart (``too_close_for_the_spread``). A 10x gap stays a 10x gap however wide
+        the spread: only the comparisons the noise can explain are withheld.
         """
         a, b = self._m(a), self._m(b)
         if a is b:
@@ -674,7 +677,8 @@ class Comparison:
         if self.noise.busy:
             return "not compared: too noisy (see the warning)"
         if self.too_close_for_the_spread(a, b):
-            return (f"not compared with {b.name}: the repeats spread more widely than the two lie apart (see the warning)")
+            return (f"not compared with {b.name}: the repeats spread widely and the two ranges lie less than "
+                    f"{NOISY_SPREAD:.0%} apart (see the warning)")
         r = self.speedup(a, b)
         if r is None:
             return f"no measurable difference from {b.name} at this noise level (their per-image p10-p90 ranges overlap)"
