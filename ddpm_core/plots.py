@@ -416,8 +416,11 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(r"loss $\|\epsilon-\epsilon_\theta\|^2$")
     ax.set_yscale("log")
-    ax.legend(fontsize=8)
     _title(ax, title, label)
+    if len(curves) > 3:  # inside, a legend of many runs sits on some curve wherever it goes: below the axes
+        legend_below(ax, fontsize=8, ncol=2)
+    else:
+        ax.legend(fontsize=8)
     return fig
 
 
@@ -787,7 +790,7 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
     for b, share in zip(bars, df["share of conv time"]):
         ax.annotate(f"{b.get_width():.3g}  ({100 * share:.0f}% of conv time)", (b.get_width(), b.get_y() + b.get_height() / 2),
                     xytext=(3, 0), textcoords="offset points", va="center", fontsize=7, zorder=5,
-                    bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.85))
+                    bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none"))  # opaque: the reference lines stop at it
     lines = [(c.conv_tflops, "C0", "--", f"all convs: {c.conv_tflops:.3g} TFLOP/s"),
              (c.matmul_tflops, "C2", "-.", f"{c.matmul_n}x{c.matmul_n} matmul: {c.matmul_tflops:.3g} TFLOP/s")]
     if c.datasheet is not None:
