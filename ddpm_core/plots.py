@@ -149,8 +149,6 @@ def mark_noise(fig: "plt.Figure", noise: Any, rule: str | None = None) -> "plt.F
     """Stamp a noisy measurement on its figure: a red line under the plot saying why, and which
     ratios are still reported (``noise`` is a ``bench.Noise``; a quiet run leaves the figure as it is).
     ``rule``: what the figure's own comparison states despite the noise (``Noise.warning``)."""
-    import textwrap
-
     if noise is None or not noise.noisy:
         return fig
     if getattr(noise, "busy", True) or not getattr(fig, "ratios_checked", False):
@@ -160,13 +158,20 @@ def mark_noise(fig: "plt.Figure", noise: Any, rule: str | None = None) -> "plt.F
         for ax in fig.axes:
             for t in ax.texts:
                 t.set_text(re.sub(r"\s*\(\d+(?:\.\d+)?x\)", "", t.get_text()))
+    return mark_caveat(fig, "NOISY MEASUREMENT. " + noise.warning(rule))
+
+
+def mark_caveat(fig: "plt.Figure", text: str) -> "plt.Figure":
+    """A red line of text under the figure and a red frame: what the figure must not be read as."""
+    import textwrap
+
     # below everything the axes drew (tick labels, axis labels, legends under the axes), so it covers none of it
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     boxes = [ax.get_tightbbox(renderer) for ax in fig.axes] + [leg.get_window_extent(renderer) for leg in fig.legends]
     bottom = min([b.y0 for b in boxes if b is not None] + [0.0]) / fig.bbox.height
-    text = "\n".join(textwrap.wrap("NOISY MEASUREMENT. " + noise.warning(rule), 130))
-    fig.text(0.5, bottom - 0.01, text, ha="center", va="top", fontsize=8, color="#b00020")
+    width = max(60, int(14 * fig.get_figwidth()))  # characters per line at font size 8
+    fig.text(0.5, bottom - 0.01, "\n".join(textwrap.wrap(text, width)), ha="center", va="top", fontsize=8, color="#b00020")
     fig.patch.set_edgecolor("#b00020")
     fig.patch.set_linewidth(3)
     return fig
@@ -240,11 +245,13 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
     ax.set_ylabel("images / s", color="C0")
     if memory in df and df[memory].notna().any():
         ax2 = ax.twinx()
-        ax2.plot(df[x], df[memory], marker="s", ls="--", color="C1", label="peak memory")
         kind = df["memory_kind"].dropna().iloc[0] if "memory_kind" in df and df["memory_kind"].notna().any() else ""
+        mem_name = "saved for backward" if "saved for backward" in kind else "peak memory"
+        ax2.plot(df[x], df[memory], marker="s", ls="--", color="C1", label=mem_name)
         ax2.set_ylabel(textwrap.fill(f"memory (GiB): {kind}", 30) if kind else "peak memory (GiB)", color="C1")
         ax2.grid(False)
-    ax.set_title("throughput (solid) and peak memory (dashed)", fontsize=9)
+    ax.set_title("throughput (solid)" + (f" and {mem_name} (dashed)" if memory in df and df[memory].notna().any() else ""),
+                 fontsize=9)
     if panels == 2:
         axt = axes[0][1]
         axt.plot(df[x], df[step_time], marker="o", color="C2")
@@ -464,22 +471,29 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
 
 
 def sdpa_figure(model_rows, micro, *, label: str | None = None,
-                title: str = "Math attention vs scaled_dot_product_attention") -> "plt.Figure":
+                title: str = "Math attention vs scaled_dot_product_attention",
+                comparison: Any = None, versus: dict[str, str] | None = None) -> "plt.Figure":
     """Left: full-model step time per variant. Middle and right: attention alone (forward +
     backward) against sequence length: time and peak memory, for each implementation.
 
-    ``model_rows``: name, median_ms. ``micro``: impl, seq_len, median_ms, peak_memory_mib."""
+    ``model_rows``: name, median_ms. ``micro``: impl, seq_len, median_ms, peak_memory_mib.
+    With ``comparison`` (a ``bench.Comparison`` of the rows) and ``versus`` (row name -> the row it
+    is compared with), each such bar also says its speedup, or "within noise" where none is stated."""
     set_style()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ax = axes[0]
     rows = model_rows.reset_index(drop=True)
     bars = ax.barh(rows["name"], rows["median_ms"], color=[f"C{i}" for i in range(len(rows))])
     ax.invert_yaxis()
-    for b, v in zip(bars, rows["median_ms"]):
-        ax.annotate(f"{v:.1f} ms", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
+    for b, v, name in zip(bars, rows["median_ms"], rows["name"]):
+        base = (versus or {}).get(name)
+        vs = "" if comparison is None or base is None else (
+            f" ({_ratio_text(float(rows.loc[rows['name'] == base, 'median_ms'].iloc[0]) / v, name, base, comparison)})")
+        ax.annotate(f"{v:.1f} ms{vs}", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
                     textcoords="offset points", va="center", fontsize=8)
-    ax.set_xlim(0, rows["median_ms"].max() * 1.3)
-    ax.set_xlabel("ms per training step (full model)")
+    ax.set_xlim(0, rows["median_ms"].max() * (1.3 if not versus else 1.6))
+    ax.set_xlabel("ms per training step (full model)" + ("\nin brackets: speed against " + ", ".join(sorted(set(versus.values())))
+                                                         if comparison is not None and versus else ""))
     ax.set_title("whole training step", fontsize=9)
     for i, (impl, g) in enumerate(micro.groupby("impl", sort=False)):
         axes[1].loglog(g["seq_len"], g["median_ms"], marker="o", color=f"C{i}", label=impl)
@@ -490,8 +504,8 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
         a.set_ylabel(what)
         a.legend(fontsize=8)
     axes[1].set_title("attention alone: time", fontsize=9)
-    axes[2].set_title("attention alone: memory (the N x N score matrix)", fontsize=9)
-    return _suptitle(fig, title, label)
+    axes[2].set_title("attention alone: memory (math keeps the N x N scores; SDPA does not)", fontsize=9)
+    return _checked(_suptitle(fig, title, label), comparison is not None)
 
 
 def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", title: str = "Throughput and memory",
@@ -556,25 +570,34 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
 
 def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "images_per_s",
               title: str = "Cumulative speedup, stage by stage",
-              separated: list[bool] | None = None) -> "plt.Figure":
-    """Each stage as a floating bar from the previous cumulative speedup to its own, labeled with
-    its own factor; all ratios are over the first stage of the same run. ``separated[i]`` False
-    marks stage i's factor "within noise" (its range overlaps the previous stage's)."""
+              separated: list[bool] | None = None, cumulative_separated: list[bool] | None = None) -> "plt.Figure":
+    """Each stage as a floating bar from the previous cumulative speedup to its own, labeled
+    "total (step)": its speedup over the first stage of the same run and its own factor over the
+    stage before. ``separated[i]`` False prints stage i's factor as "within noise" (no ratio; a
+    grey bar), ``cumulative_separated[i]`` False its total: the comparison stated no ratio there."""
     set_style()
     stages = stages.reset_index(drop=True)
     cum = stages[y] / stages[y].iloc[0]
     prev = cum.shift(1).fillna(0)
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(stages) + 1.8))
     for i, (name, c, p) in enumerate(zip(stages[x], cum, prev)):
-        color = "C7" if i == 0 else ("C2" if c >= p else "C3")
-        ax.barh(i, c - p, left=p, color=color)
         within = separated is not None and i > 0 and not separated[i]
-        step = "" if i == 0 else f" ({c / p:.2f}x{', within noise' if within else ''})"
-        ax.text(max(c, p), i, f"  {c:.2f}x{step}", va="center", fontsize=8)
+        color = "C7" if i == 0 or within else ("C2" if c >= p else "C3")
+        ax.barh(i, c - p, left=p, color=color)
+        total_within = cumulative_separated is not None and i > 0 and not cumulative_separated[i]
+        if i == 0 or not (within or total_within):
+            text = f"{c:.2f}x" + ("" if i == 0 else f" ({c / p:.2f}x)")  # the total, and this stage's own factor
+        elif within and total_within:
+            text = "within noise"
+        elif within:
+            text = f"total {c:.2f}x, step within noise"
+        else:
+            text = f"step {c / p:.2f}x, total within noise"
+        ax.text(max(c, p), i, f"  {text}", va="center", fontsize=8)
     ax.set_yticks(range(len(stages)), stages[x])
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlim(0, cum.max() * 1.3)
+    ax.set_xlim(0, cum.max() * (1.3 if separated is None and cumulative_separated is None else 1.6))
     ax.set_xlabel("speedup over the baseline (images/s ratio, same run)")
     _title(ax, title, label)
     return _checked(fig, separated is not None)

@@ -232,3 +232,20 @@ def test_a_loss_curve_lying_on_an_earlier_one_says_so_in_the_legend():
                              "sgd (lr 0.05)": [(i, 0.9 / i) for i in range(1, 16)]})
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["adam (lr 0.001)", "adamw (lr 0.001), on top of adam", "sgd (lr 0.05)"]
+
+
+def test_the_waterfall_prints_no_ratio_where_the_comparison_states_none():
+    stages = pd.DataFrame({"stage": ["base", "+ a", "+ b", "+ c"], "images_per_s": [30.0, 31.5, 60.0, 58.0]})
+    fig = plots.waterfall(stages, label="t", separated=[True, False, True, False],
+                          cumulative_separated=[True, False, True, True])
+    assert _texts(fig) == ["  1.00x", "  within noise", "  2.00x (1.90x)", "  total 1.93x, step within noise"]
+
+
+def test_the_sdpa_figure_labels_each_pair_as_its_comparison_does():
+    quiet = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={})
+    cmp = bench.Comparison([_spread("math (fp32)", 313.2, 300, 330), _spread("sdpa (fp32)", 300.7, 290, 320)], quiet)
+    rows = pd.DataFrame([m.row() for m in cmp.measurements])
+    micro = pd.DataFrame({"impl": ["math", "math", "sdpa", "sdpa"], "seq_len": [64, 256, 64, 256],
+                          "median_ms": [1.0, 4.0, 0.8, 2.0], "peak_memory_mib": [1.0, 16.0, 0.5, 2.0]})
+    fig = plots.sdpa_figure(rows, micro, label="t", comparison=cmp, versus={"sdpa (fp32)": "math (fp32)"})
+    assert {"313.2 ms", "300.7 ms (within noise)"} <= set(_texts(fig))
