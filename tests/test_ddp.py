@@ -132,7 +132,7 @@ def test_a_killed_worker_is_restarted_and_training_resumes_without_losing_steps(
     assert all(torch.equal(a[k], b[k]) for k in a)  # the restarted run ends exactly where an uninterrupted one does
 
 
-def test_ddp_bench_times_a_grid_of_batch_sizes_and_precisions(tmp_path):
+def test_ddp_bench_times_a_grid_of_batch_sizes_and_precisions(tmp_path, capsys):
     import json
 
     from ddpm_core import ddp_bench, plots
@@ -145,6 +145,11 @@ def test_ddp_bench_times_a_grid_of_batch_sizes_and_precisions(tmp_path):
     assert [(r["batch_per_process"], r["precision"]) for r in grid] == [(2, "fp32"), (4, "fp32"), (2, "bf16"), (4, "bf16")]
     assert all(r["images_per_s"] > 0 and len(r["times_ms"]) == 2 for r in grid)
     assert json.loads(out.read_text())["ddp_bucket_cap_mb"] is None
+    # it prints the grid's rows, the numbers the notebook's table shows (08 once printed the warm-up timing instead)
+    printed = capsys.readouterr().out.splitlines()
+    assert [l.split(":")[0] for l in printed if l.startswith("world")] == [
+        f"world 1, batch {r['batch_per_process']} per process, {r['precision']}" for r in grid]
+    assert f"{grid[0]['median_ms']:.1f} ms/step" in printed[-4]
     import pandas as pd
 
     fig = plots.epoch_time_vs_batch(pd.DataFrame([{**r, "world_size": 1} for r in grid]), label="test")
