@@ -115,8 +115,6 @@ def image_grid_figure(images: torch.Tensor, title: str | None = None, nrow: int 
 
 def _wrap(title: str, inches: float) -> str:
     """Wrap each line of a title to the figure's width (about 14 characters per inch at font size 9)."""
-    import textwrap
-
     return "\n".join(textwrap.fill(line, width=max(20, int(14 * inches))) for line in title.split("\n"))
 
 
@@ -151,7 +149,7 @@ def mark_noise(fig: "plt.Figure", noise: Any, rule: str | None = None) -> "plt.F
     ``rule``: what the figure's own comparison states despite the noise (``Noise.warning``)."""
     if noise is None or not noise.noisy:
         return fig
-    if getattr(noise, "busy", True) or not getattr(fig, "ratios_checked", False):
+    if noise.busy or not getattr(fig, "ratios_checked", False):
         # No speedup is stated from a run on a busy machine: the figure drops its "(1.23x)" ratio labels too,
         # keeping the values. Where only some repeats spread widely, a figure whose labels came from the
         # comparison itself (``ratios_checked``: a ratio where it holds, "within noise" where not) keeps them.
@@ -163,8 +161,6 @@ def mark_noise(fig: "plt.Figure", noise: Any, rule: str | None = None) -> "plt.F
 
 def mark_caveat(fig: "plt.Figure", text: str) -> "plt.Figure":
     """A red line of text under the figure and a red frame: what the figure must not be read as."""
-    import textwrap
-
     # below everything the axes drew (tick labels, axis labels, legends under the axes), so it covers none of it
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
