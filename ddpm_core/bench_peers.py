@@ -187,12 +187,16 @@ def same_network(name: str, smoke: bool) -> bool:
 
 def ceiling_column(table, ceiling, smoke: bool, measurements: list[bench.Measurement]) -> str:
     """Add to ``table`` (a Comparison.table(), one row per measurement in order) each contender's share of the
-    measured ceiling, from its unrounded TFLOP/s; return the column's name."""
+    measured ceiling, from its unrounded TFLOP/s (to a whole percent, as "about", where the ceiling was noisy);
+    return the column's name."""
 
     def share(variant: str, tflops: Any) -> str:
         if not same_network(variant, smoke):
             return "n/a (other network)"
-        return "n/a" if tflops is None or tflops != tflops else f"{100 * tflops / ceiling.tflops:.1f}%"
+        if tflops is None or tflops != tflops:
+            return "n/a"
+        # a ceiling timed on a noisy machine is rough: a whole percent, said to be approximate (the summary says why)
+        return f"about {100 * tflops / ceiling.tflops:.0f}%" if ceiling.noisy else f"{100 * tflops / ceiling.tflops:.1f}%"
 
     name = f"of measured {ceiling.precision} ceiling"
     table[name] = [share(m.name, m.tflops) for m in measurements]

@@ -785,7 +785,7 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
         ax2.axvline(ceiling.tflops, color="C3", ls="--", lw=1.2,
                     label=f"measured ceiling of our step ({ceiling.precision}"
                           f"{', channels_last' if ceiling.channels_last else ''}, batch {ceiling.batch_size}): "
-                          f"{ceiling.tflops:.3g} TFLOP/s")
+                          f"{ceiling.tflops:.3g} TFLOP/s" + (", rough: timed on a noisy machine" if ceiling.noisy else ""))
         top = max(top, ceiling.tflops)
         if ceiling.datasheet is not None:
             ax2.axvline(ceiling.datasheet.tflops, color="k", ls=":", lw=1.2, label=f"datasheet: {ceiling.datasheet}")
@@ -821,6 +821,8 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
     _title(ax, f"{title}\n{c.model}, batch {c.batch_size}: the {min(top, len(c.shapes))} shapes with most conv time", label)
     legend_below(ax, fontsize=7)  # below the axes: inside, it covered a bar's label whenever a long bar sat under it
     fig.tight_layout()
+    if c.noisy:  # the bars' digits say more than the timings hold: the figure says so where it is seen without the text
+        mark_caveat(fig, "Timed on a noisy machine, so read these rates as rough: " + "; ".join(c.noise_reasons) + ".")
     return fig
 
 

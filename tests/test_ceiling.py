@@ -87,3 +87,28 @@ def test_bad_arguments_are_refused_before_any_work(capsys):
     assert e.value.code == 2 and "--batch-size must be >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown precision"):
         ceiling.measure("tiny", precision="int8", device="cpu")
+
+
+def test_a_noisy_ceiling_is_marked_rough_in_the_column_and_on_both_figures():
+    """Timings that spread widely must not print as 71.8% or as a clean chart."""
+    from ddpm_core import plots
+
+    names, tflops = ["ours: baseline", "ours: fast"], [1.0, 2.0]
+    table = pd.DataFrame({"variant": names, "batch": [4, 4], "img/s": [1.0, 2.0], "speedup": ["1.00x", "2.00x"],
+                          "TFLOP/s": tflops})
+    measured = [SimpleNamespace(name=n, tflops=v) for n, v in zip(names, tflops)]
+    noisy = _fake(shapes=pd.DataFrame({"shape": ["a", "b"], "count": [1, 1], "GFLOP": [1.0, 1.0], "ms": [1.0, 1.0],
+                                       "spread": [0.5, 0.1], "TFLOP/s": [1.0, 1.0], "share of conv time": [0.5, 0.5]}))
+    name = bench_peers.ceiling_column(table, noisy, False, measured)
+    assert list(table[name]) == [f"about {100 / noisy.tflops:.0f}%", f"about {200 / noisy.tflops:.0f}%"]
+
+    def red(fig):
+        return [t.get_text().replace("\n", " ") for t in fig.texts if t.get_color() == "#b00020"]
+
+    assert "1 of the 2 shapes spread by more than 25%" in " ".join(red(plots.ceiling_figure(noisy, label="t")))
+    legend = plots.peers_figure(table, ceiling=noisy, label="t").axes[1].get_legend().get_texts()
+    assert any("rough: timed on a noisy machine" in t.get_text() for t in legend)
+    quiet = _fake(shapes=noisy.shapes.assign(spread=0.0))
+    assert not red(plots.ceiling_figure(quiet, label="t"))
+    assert not any("rough" in t.get_text()
+                   for t in plots.peers_figure(table, ceiling=quiet, label="t").axes[1].get_legend().get_texts())
