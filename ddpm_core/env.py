@@ -147,6 +147,9 @@ def show(device: torch.device | str | None = None) -> tuple[torch.device, str]:
         # A CUDA build of torch on a machine with a CUDA toolkit but no GPU warns "No CUDA runtime is found, using
         # CUDA_HOME=..." the first time torch.compile builds C++ for the CPU: true, harmless, and a red box in JupyterLab.
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # Tables show their sentences whole (a verdict, a source, a break reason): pandas cuts a cell at 50 characters
+    # with "...", and JupyterLab wraps a long cell within the output area instead.
+    pd.set_option("display.max_colwidth", 300)
     text = label(device)
     print(text)
     display(pd.Series(describe(device), name="value").to_frame())

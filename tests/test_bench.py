@@ -355,8 +355,14 @@ def test_summary_table_names_what_memory_it_shows_and_adds_reserved_on_cuda():
 def test_env_show_prints_the_label_and_returns_the_device(capsys):
     from ddpm_core import env
 
+    import pandas as pd
+
     device, text = env.show("cpu")
     assert device == torch.device("cpu") and text == env.label("cpu") and text in capsys.readouterr().out
+    # a verdict or a source in a table cell shows whole (JupyterLab wraps it), not cut at pandas' 50 characters
+    sentence = "no measurable difference from MATH at this noise level (ranges overlap)"
+    assert "..." not in pd.DataFrame({"verdict": [sentence]}).to_html() and sentence in pd.DataFrame({"v": [sentence]}).to_html()
+    pd.reset_option("display.max_colwidth")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is about a CUDA build without a GPU")
