@@ -11,6 +11,7 @@ softmax(QK^T)V whatever kernel ran), so a kernel that recomputes does not earn e
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import statistics
@@ -927,32 +928,78 @@ def attention_inputs(model_or_trainer: Any, x: torch.Tensor, t: torch.Tensor | N
     Probe these with ``sdpa_backends``: a synthetic contiguous tensor can pass checks (layout,
     dtype) that the model's tensors fail.
     """
+    return every_attention_input(model_or_trainer, x, t)[0]
+
+
+def every_attention_input(model_or_trainer: Any, x: torch.Tensor, t: torch.Tensor | None = None
+                          ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``attention_inputs`` for every attention block of the model, in the order the forward pass calls them."""
     from .model import AttnBlock
 
     model = getattr(model_or_trainer, "model", model_or_trainer)
     autocast = getattr(model_or_trainer, "_autocast", contextlib.nullcontext)
-    block = next((m for m in model.modules() if isinstance(m, AttnBlock)), None)
-    if block is None:
+    blocks = [m for m in model.modules() if isinstance(m, AttnBlock)]
+    if not blocks:
         raise ValueError("this model has no attention block (attn_resolutions is empty)")
     device = next(model.parameters()).device
     x = x.to(device)
     t = torch.zeros(x.shape[0], dtype=torch.long, device=device) if t is None else t.to(device)
     seen: list[tuple[torch.Tensor, ...]] = []
-    original = block.qkv_tokens
 
-    def record(h: torch.Tensor):
-        out = original(h)
-        seen.append(tuple(a.detach() for a in out))
-        return out
+    def recorder(original):
+        def record(h: torch.Tensor):
+            out = original(h)
+            seen.append(tuple(a.detach() for a in out))
+            return out
+        return record
 
-    block.qkv_tokens = record
+    for block in blocks:
+        block.qkv_tokens = recorder(block.qkv_tokens)
     try:
         with torch.no_grad(), autocast():
             model(x, t)
     finally:
-        del block.qkv_tokens  # back to the class method
-    q, k, v = seen[0]
-    return q, k, v
+        for block in blocks:
+            del block.qkv_tokens  # back to the class method
+    return [(q, k, v) for q, k, v in seen]
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d)) V, with the N x N matrix written out: the model's ``attention="math"`` path."""
+    return torch.matmul((torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5).softmax(dim=-1), v)
+
+
+def attention_core_ms(model_or_trainer: Any, x: torch.Tensor, *, iters: int = 5, warmup: int = 2,
+                      attention: Callable[..., torch.Tensor] | None = None) -> float:
+    """Milliseconds that the attention cores of one training step take when timed alone: ``attention``
+    (default ``math_attention``), forward and backward, on the q, k, v every attention block receives for
+    ``x`` (their shapes, strides and dtype), summed over the blocks; the median of ``iters`` timed calls.
+
+    The projections around it (the qkv and output 1x1 convolutions, the norm) are not in it: they run the same
+    whichever attention kernel is used. So this is what a faster attention kernel can take off the step at most:
+    see ``amdahl_bound``.
+    """
+    fn = attention or math_attention
+    autocast = getattr(model_or_trainer, "_autocast", contextlib.nullcontext)  # a bf16 step's softmax runs in fp32
+    inputs = [tuple(a.detach().clone().requires_grad_(True) for a in qkv) for qkv in every_attention_input(model_or_trainer, x)]
+
+    def cores() -> None:
+        for q, k, v in inputs:
+            with autocast():
+                out = fn(q, k, v)
+            out.backward(torch.ones_like(out))
+            q.grad = k.grad = v.grad = None
+
+    return measure(cores, batch_size=x.shape[0], warmup=warmup, iters=iters, device=inputs[0][0].device).median_ms
+
+
+def amdahl_bound(step_ms: float, part_ms: float) -> float:
+    """The largest speedup of a whole step that making one part of it (``part_ms`` of ``step_ms``) free could give:
+    step / (step - part). Infinity where the part takes the whole step."""
+    if step_ms <= 0 or part_ms < 0:
+        raise ValueError(f"need step_ms > 0 and part_ms >= 0, got {step_ms} and {part_ms}")
+    rest = step_ms - min(part_ms, step_ms)
+    return math.inf if rest == 0 else step_ms / rest
 
 
 def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "pd.DataFrame":

@@ -179,3 +179,23 @@ def test_every_gradient_has_its_parameters_layout(channels_last):
     model(x, torch.zeros(2, dtype=torch.long)).sum().backward()
     mismatched = [name for name, p in model.named_parameters() if p.grad.stride() != p.stride()]
     assert mismatched == []
+
+
+def test_every_attention_block_is_timed_and_the_bound_is_amdahls():
+    """05 bounds SDPA's gain by attention's share of the step: the cores of all four blocks of `tiny` (three at
+    16x16, one at 8x8), and step / (step - part)."""
+    from ddpm_core import bench
+
+    model = preset("tiny", attention="math")
+    inputs = bench.every_attention_input(model, torch.randn(2, 3, 32, 32))
+    assert [q.shape[-2] for q, _, _ in inputs] == [256, 64, 256, 256]
+    assert "qkv_tokens" not in vars(next(m for m in model.modules() if type(m).__name__ == "AttnBlock"))  # restored
+    q, k, v = inputs[0]
+    assert torch.allclose(bench.math_attention(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                          atol=1e-5)
+    ms = bench.attention_core_ms(model, torch.randn(2, 3, 32, 32), iters=2, warmup=1)
+    assert ms > 0 and all(p.grad is None for p in model.parameters())  # the cores only, not the model's backward
+    assert bench.amdahl_bound(100.0, 20.0) == pytest.approx(1.25) and bench.amdahl_bound(100.0, 0.0) == 1.0
+    assert bench.amdahl_bound(100.0, 100.0) == float("inf")
+    with pytest.raises(ValueError, match="step_ms > 0"):
+        bench.amdahl_bound(0.0, 1.0)
