@@ -715,13 +715,18 @@ class Comparison:
         t["speedup"] = ["1.00x (baseline)" if m is self.baseline else self.factor(m) for m in self.measurements]
         return t
 
-    def report(self) -> str:
-        """Markdown: the noise warning (if any) and one verdict per variant against the baseline."""
+    def report(self, only: Sequence[str] | None = None) -> str:
+        """Markdown: the noise warning (if any) and one verdict per variant against the baseline; with ``only``, for
+        those variants alone (a variant measured in the same rounds for scale, such as the whole step beside a part of
+        it, is no alternative to the baseline, and a ratio against it would mean nothing)."""
+        unknown = sorted(set(only or ()) - {m.name for m in self.measurements})
+        if unknown:
+            raise KeyError(f"report(only=...) names no measured variant: {unknown}; measured: {[m.name for m in self.measurements]}")
         lines = []
         if self.noise.noisy:
             lines.append(f"**Warning.** {self.noise.warning()}")
         for m in self.measurements:
-            if m is not self.baseline:
+            if m is not self.baseline and (only is None or m.name in only):
                 lines.append(f"- **{m.name}**: {self.verdict(m)}.")
         lines.append(f"\n<small>{self.rounds} interleaved rounds, {self.noise.threads} torch threads for every variant, "
                      f"other processes' CPU use {self.noise.other_cpu_share:.0%}, load average {self.noise.load_1min:.1f} "

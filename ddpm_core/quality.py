@@ -52,6 +52,21 @@ def smooth(curve: Sequence[tuple[int, float]], window: int):
     return s.rolling(max(1, int(window)), min_periods=1).mean()
 
 
+def step_noise(values: Sequence[float]) -> float:
+    """A loss curve's step-to-step noise: the standard deviation of successive differences, over sqrt(2).
+
+    For a loss that moves slowly plus independent noise per step, each difference is two draws of the noise, so this
+    estimates the noise's standard deviation and counts almost none of the trend. The plain standard deviation of
+    the values counts the descent itself as spread: a curve falling smoothly from 0.79 to 0.65 has a large one and
+    almost no noise. NaN for fewer than 3 values."""
+    v = [float(x) for x in values]
+    if len(v) < 3:
+        return float("nan")
+    diffs = [b - a for a, b in zip(v, v[1:])]
+    mean = sum(diffs) / len(diffs)
+    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / 2)
+
+
 def window_for(steps: int) -> int:
     """The smoothing window: a twentieth of the run, at least 3 steps (MIN_STEPS is 10)."""
     return max(3, steps // 20)

@@ -243,6 +243,11 @@ def test_a_ratio_is_stated_only_when_the_ranges_separate():
     assert c.speedup("fast") == pytest.approx(2.0, rel=1e-6) and "2.00x the throughput of base" in c.verdict("fast")
     assert c.speedup("same") is None and "no measurable difference" in c.verdict("same")
     assert list(c.table()["speedup"]) == ["1.00x (baseline)", "2.00x", "no measurable difference"]
+    # a variant timed in the same rounds only for scale gets no verdict against the baseline
+    report = c.report(only=["fast"])
+    assert "**fast**" in report and "**same**" not in report and "**same**" in c.report()
+    with pytest.raises(KeyError, match="names no measured variant"):
+        c.report(only=["fats"])
 
 
 def test_a_noisy_run_states_no_ratio_at_all():

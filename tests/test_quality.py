@@ -164,3 +164,19 @@ def test_the_heldout_losses_are_reproduced_from_the_saved_checkpoints(small_run,
         t.load_checkpoint(list_checkpoints(r.configs[name]["out_dir"])[-1])
         assert quality.heldout_loss(t.ema.model, t.diffusion, batches, t.device) == r.heldout_loss(name, "EMA")
         assert quality.heldout_loss(t.model, t.diffusion, batches, t.device) == r.heldout_loss(name, "raw")
+
+
+def test_step_noise_measures_the_jitter_and_not_the_descent():
+    """10 once called the plain standard deviation 'step-to-step spread': a smooth descent read as noisier than a
+    jagged flat curve."""
+    import random
+    import statistics
+
+    from ddpm_core.quality import step_noise
+
+    smooth_descent = [0.79 - 0.01 * i for i in range(15)]
+    rng = random.Random(0)
+    jagged = [0.9 + rng.gauss(0, 0.05) for _ in range(400)]
+    assert step_noise(smooth_descent) < 1e-9 < statistics.pstdev(smooth_descent)
+    assert step_noise(jagged) == pytest.approx(0.05, rel=0.15)
+    assert step_noise([0.1, 0.2]) != step_noise([0.1, 0.2])  # NaN: too few steps
