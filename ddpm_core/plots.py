@@ -270,8 +270,8 @@ def wait_compute_bars(df, *, label: str | None = None, x: str = "variant", wait:
     ax.barh(names, df[wait], left=df[compute], label="waiting for data", color="C3")
     ax.invert_yaxis()
     ax.set_xlabel("ms per step")
-    ax.legend(loc="lower right", fontsize=8)
     _title(ax, title, label)
+    legend_below(ax, fontsize=8, ncol=2)  # inside, it covered the end of the last bar: where its data wait is drawn
     return fig
 
 
