@@ -966,7 +966,7 @@ def every_attention_input(model_or_trainer: Any, x: torch.Tensor, t: torch.Tenso
     finally:
         for block in blocks:
             del block.qkv_tokens  # back to the class method
-    return [(q, k, v) for q, k, v in seen]
+    return seen  # type: ignore[return-value] - each entry is the (q, k, v) that qkv_tokens returned
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

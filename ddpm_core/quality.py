@@ -28,6 +28,7 @@ import argparse
 import math
 import re
 import shutil
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,9 +63,7 @@ def step_noise(values: Sequence[float]) -> float:
     v = [float(x) for x in values]
     if len(v) < 3:
         return float("nan")
-    diffs = [b - a for a, b in zip(v, v[1:])]
-    mean = sum(diffs) / len(diffs)
-    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / 2)
+    return statistics.stdev(b - a for a, b in zip(v, v[1:])) / math.sqrt(2)
 
 
 def window_for(steps: int) -> int:
