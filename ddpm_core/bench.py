@@ -833,6 +833,20 @@ def scaling_efficiency(single_images_per_s: float, images_per_s: float, world_si
 
 
 # ------------------------------------------------------------------------------ tables and limits
+def same_step_note(earlier: Measurement, now_ms: float, *, where: str, tolerance: float = 0.10) -> str:
+    """A sentence for when a step timed again later in a notebook (``now_ms``, median) lies more than ``tolerance``
+    from an earlier timing of the same step (``earlier``, described by ``where``), else "". The two were not measured
+    side by side, so the gap is the machine's or the process's drift, and only side-by-side pairs are compared."""
+    if now_ms <= 0 or earlier.median_ms <= 0:
+        raise ValueError(f"need positive step times, got {earlier.median_ms} and {now_ms} ms")
+    gap = abs(now_ms / earlier.median_ms - 1)
+    if gap <= tolerance:
+        return ""
+    return (f"({where} timed the same step at {earlier.median_ms:.0f} ms (p10-p90 {earlier.p10_ms:.0f}-{earlier.p90_ms:.0f}), "
+            f"this cell at {now_ms:.0f} ms: {gap:.0%} apart. Whatever changed on the machine or in this process in "
+            "between is in that gap, which is why only pairs measured side by side, in one cell, are compared.)")
+
+
 def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.DataFrame":
     """The Summary table every notebook ends with: variant, ms/step, img/s, speedup over
     ``measurements[baseline]`` (a ratio of two measurements of this run), peak memory, MFU with

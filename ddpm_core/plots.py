@@ -79,6 +79,7 @@ def savefig(fig: "plt.Figure", name: str, dpi: int = 150) -> Path:
     """
     import warnings
 
+    plain_log_ticks(fig)  # also for the axes a notebook set to log itself (before the check: labels change width)
     for problem in legend_overlaps(fig):
         warnings.warn(f"{LAYOUT_WARNING} {Path(name).name}: {problem}", stacklevel=2)
     path = Path(name)
@@ -137,8 +138,30 @@ def _resolve(label: str | None) -> str:
     return this_machine()
 
 
+class _PlainLogFormatter(matplotlib.ticker.LogFormatterSciNotation):
+    """matplotlib's choice of which log ticks to label, written 300 and 0.9 (not 3×10², 9×10⁻¹) between 0.001 and
+    100,000, and as powers (10⁻⁴) only beyond."""
+
+    def __call__(self, x: float, pos: Any = None) -> str:
+        text = super().__call__(x, pos)
+        return f"{x:g}" if text and 1e-3 <= abs(x) < 1e5 else text
+
+
+def plain_log_ticks(fig: "plt.Figure") -> "plt.Figure":
+    """Log-scaled axes of ``fig`` labelled 300 and 0.9, not 3×10² and 9×10⁻¹; powers of two as 4, 8, 16, not 2²."""
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() != "log":
+                continue
+            base = axis.get_transform().base
+            axis.set_major_formatter(_PlainLogFormatter(base=base))
+            axis.set_minor_formatter(_PlainLogFormatter(base=base, labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    return fig
+
+
 def _suptitle(fig: "plt.Figure", title: str, label: str | None, fontsize: int = 10) -> "plt.Figure":
     fig.suptitle(f"{title}\n{_resolve(label)}", fontsize=fontsize)
+    plain_log_ticks(fig)
     fig.tight_layout()
     return fig
 
@@ -189,6 +212,7 @@ def _checked(fig: "plt.Figure", checked: bool) -> "plt.Figure":
 
 def _title(ax, title: str, label: str | None) -> None:
     ax.set_title(f"{title}\n{_resolve(label)}", fontsize=10)
+    plain_log_ticks(ax.figure)
 
 
 def _label_bars(ax, bars, fmt: str) -> None:
@@ -235,7 +259,6 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
         x0, y0 = df[x].iloc[0], df[y].iloc[0]
         ax.plot(df[x], y0 * df[x] / x0, ls=":", color="C7", label="ideal (linear from the smallest batch)")
         ax.set_ylim(0, 1.15 * df[y].max())  # the ideal line leaves the chart where the measured one bends
-        ax.legend(loc="upper left", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("images / s", color="C0")
@@ -246,6 +269,9 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
         ax2.plot(df[x], df[memory], marker="s", ls="--", color="C1", label=mem_name)
         ax2.set_ylabel(textwrap.fill(f"memory (GiB): {kind}", 30) if kind else "peak memory (GiB)", color="C1")
         ax2.grid(False)
+    handles = [h for a in [ax] + fig.axes[panels:] for h in a.get_lines() if not h.get_label().startswith("_")]
+    if len(handles) > 1:  # below the axes: inside, it sat on the ideal line (which starts in the upper-left corner)
+        legend_below(ax, handles=handles, labels=[h.get_label() for h in handles], fontsize=8, ncol=min(len(handles), 2))
     ax.set_title("throughput (solid)" + (f" and {mem_name} (dashed)" if memory in df and df[memory].notna().any() else ""),
                  fontsize=9)
     if panels == 2:
@@ -389,7 +415,7 @@ def noise_schedule_figure(diffusion, *, label: str | None = None) -> "plt.Figure
     axes[1].plot(t, a_bar, label=r"$\bar\alpha_t$ (signal variance)")
     axes[1].plot(t, 1 - a_bar, label=r"$1-\bar\alpha_t$ (noise variance)")
     axes[1].legend(fontsize=8)
-    axes[1].set_title(r"$\bar\alpha_t=\prod_{s\leq t}(1-\beta_s)$")
+    axes[1].set_title(r"$\bar\alpha_t=(1-\beta_1)\cdots(1-\beta_t)$")  # a \prod's subscript touched the frame
     axes[2].semilogy(t, a_bar / (1 - a_bar))
     axes[2].set_title(r"SNR $=\bar\alpha_t/(1-\bar\alpha_t)$")
     for ax in axes:
@@ -405,6 +431,8 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
     set_style()
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = ["-", "--", "-.", ":"]
+    # the palette's orange, vermillion and brown (C1, C3, C5) look alike as thin lines: the distinct hues come first
+    hues = [f"C{k}" for k in (0, 1, 2, 4, 7, 9, 3, 5, 6, 8)]
     drawn: dict[str, "pd.Series"] = {}
     for i, (name, points) in enumerate(curves.items()):
         s = pd.Series([v for _, v in points], index=[k for k, _ in points])
@@ -412,8 +440,8 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
         under = next((n for n, d in drawn.items() if d.index.equals(s.index)
                       and ((s - d).abs() <= 1e-3 * d.abs()).all()), None)
         drawn[name] = s
-        ax.plot(s.index, s.values, color=f"C{i}", alpha=0.25, lw=0.8)
-        ax.plot(s.index, s.rolling(max(1, min(smooth, len(s) // 3 or 1)), min_periods=1).mean(), color=f"C{i}",
+        ax.plot(s.index, s.values, color=hues[i % len(hues)], alpha=0.25, lw=0.8)
+        ax.plot(s.index, s.rolling(max(1, min(smooth, len(s) // 3 or 1)), min_periods=1).mean(), color=hues[i % len(hues)],
                 ls=styles[i % len(styles)],  # distinct styles: overlapping curves stay visible
                 label=name if under is None else f"{name}, on top of {under.split(' (')[0]}")
     ax.set_xlabel("optimizer step")
@@ -558,7 +586,8 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
                                      zip(names, diff["calls before"], diff["calls after"])], fontsize=8)
     ax.axvline(0, color="k", lw=0.8)
     ax.invert_yaxis()
-    ax.set_xlabel("time change in one step (ms; negative = saved)")
+    ax.set_xlabel("time change in one step (ms; negative = saved)\ninclusive times: a row contains the rows it calls, "
+                  "so nested rows count the same time twice", fontsize=9)
     _title(ax, title, label)
     fig.tight_layout()
     return fig

@@ -82,6 +82,23 @@ def per_rank(df: pd.DataFrame | None) -> pd.DataFrame | None:
     return out
 
 
+# The CPU counterparts keep HTA's column names so that the same charts draw both; shown in a table, those names
+# would call operator time "kernel time" and time outside operators "idle". These are what they mean on a CPU.
+CPU_NAMES = {"idle_time(us)": "outside operators (us)", "compute_time(us)": "compute operators (us)",
+             "non_compute_time(us)": "other operators (us)", "kernel_time(us)": "profiled steps (us)",
+             "idle_time_pctg": "outside operators %", "compute_time_pctg": "compute operators %",
+             "non_compute_time_pctg": "other operators %", "kernel_type": "operator kind",
+             "sum": "self time (us)", "percentage": "% of operator self time"}
+
+
+def cpu_names(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    """``df`` (a CPU temporal breakdown or ``op_categories`` table, wide or ``per_rank``) with its HTA names
+    replaced by what they measure on a CPU: for display only (the charts take HTA's names)."""
+    if df is None:
+        return None
+    return df.rename(columns=CPU_NAMES, index=CPU_NAMES)
+
+
 _NOTE_KEYS = {"temporal": "temporal", "kernels": "kernel breakdown", "top_kernels": "kernel breakdown",
               "idle": "idle time", "launch": "launch", "launch_summary": "launch", "overlap": "overlap",
               "memory_bw": "memory bandwidth"}

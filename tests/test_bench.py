@@ -440,3 +440,14 @@ def test_measured_on_captions_a_table_with_the_device_label():
 
     cap = env.measured_on("CPU (AMD EPYC, 2 threads) · torch 2.14.1", "Traced")
     assert getattr(cap, "data", cap) == "*Traced on CPU (AMD EPYC, 2 threads) · torch 2.14.1:*"
+
+
+def test_same_step_note_speaks_only_when_two_timings_of_one_step_drift_apart():
+    m = bench.Measurement(name="baseline", device="cpu", device_name="cpu", torch_version=torch.__version__, batch_size=8,
+                          iters=5, first_ms=300.0, median_ms=266.0, p10_ms=235.0, p90_ms=269.0, images_per_s=30.0,
+                          peak_memory_bytes=None, memory_kind="")
+    assert bench.same_step_note(m, 250.0, where="Section 1") == ""  # 6% apart: within the tolerance
+    note = bench.same_step_note(m, 177.0, where="Section 1")
+    assert "Section 1 timed the same step at 266 ms" in note and "177 ms" in note and "33% apart" in note
+    with pytest.raises(ValueError, match="positive"):
+        bench.same_step_note(m, 0.0, where="Section 1")

@@ -59,7 +59,7 @@ def test_the_verdict_says_outside_and_fails_for_a_fast_run_far_from_the_baseline
     assert r.inside == 0.0 and r.within_spread == 0.0 and not r.heldout_inside and not r.passed
     v = r.verdict()
     assert "MORE than changing the seed" in v and "outside it at 100%" in v
-    assert "0.5000 is above the baseline seeds' 0.3000-0.3200" in v and "outside the seeds' spread 0.0200" in v
+    assert "0.50000 is above the baseline seeds' 0.30000-0.32000" in v and "outside the seeds' spread 0.02000" in v
 
 
 def test_the_verdict_of_a_run_that_copies_its_twin_passes_and_quotes_its_numbers():
@@ -67,7 +67,7 @@ def test_the_verdict_of_a_run_that_copies_its_twin_passes_and_quotes_its_numbers
     assert r.passed and r.within_spread == 1.0 and r.heldout_inside
     v = r.verdict()
     assert "less than changing the seed" in v and f"{100 * r.inside:.0f}% of steps" in v
-    assert "0.3050 is inside the baseline seeds' 0.3000-0.3200" in v and "by 0.0050, within the seeds' spread 0.0200" in v
+    assert "0.30500 is inside the baseline seeds' 0.30000-0.32000" in v and "from the twin's 0.31000 by 0.00500, within the seeds' spread 0.02000" in v
     rows = r.rows()
     assert [row["kind"] for row in rows] == ["baseline"] * 3 + ["fast"]
     assert all(row["device_name"] == "test machine" and row["torch_version"] for row in rows)
@@ -146,7 +146,7 @@ def test_run_trains_every_arm_for_the_same_steps_and_judges_the_fast_one(small_r
     assert fast[0][1] == pytest.approx(twin[0][1], rel=1e-5) and fast[1][1] == pytest.approx(twin[1][1], rel=1e-3)
     lo, hi = r.heldout_range
     v = r.verdict()
-    assert f"{r.heldout_loss(list(r.arms)[-1]):.4f}" in v and f"{lo:.4f}-{hi:.4f}" in v and f"{100 * r.inside:.0f}%" in v
+    assert f"{r.heldout_loss(list(r.arms)[-1]):.5f}" in v and f"{lo:.5f}-{hi:.5f}" in v and f"{100 * r.inside:.0f}%" in v
     path = results.append("quality", r.rows(), path=tmp_path / "quality.csv")
     back = results.load(path)
     assert len(back) == 4 and back["device_name"].str.startswith("CPU").all() and back["heldout_ema_loss"].notna().all()

@@ -305,3 +305,15 @@ def test_the_profilers_one_cycle_warning_is_quieted_and_other_warnings_are_not(t
     texts = [str(w.message) for w in seen]
     assert "something else" in texts
     assert not [m for m in texts if "clears events" in m], texts
+
+
+def test_cpu_names_relabel_hta_columns_for_display_on_cpu():
+    temporal = pd.DataFrame([{"rank": 0, "idle_time(us)": 5.0, "compute_time(us)": 3.0, "non_compute_time(us)": 2.0,
+                              "kernel_time(us)": 10.0, "idle_time_pctg": 50.0, "compute_time_pctg": 30.0,
+                              "non_compute_time_pctg": 20.0}])
+    wide = traces.cpu_names(traces.per_rank(temporal))
+    assert "outside operators %" in wide.index and not any("kernel" in i or "idle" in i for i in wide.index)
+    assert wide.loc["outside operators %", "rank 0"] == 50.0
+    kinds = traces.cpu_names(pd.DataFrame({"kernel_type": ["convolution"], "sum": [1.0], "percentage": [100.0]}))
+    assert list(kinds.columns) == ["operator kind", "self time (us)", "% of operator self time"]
+    assert traces.cpu_names(None) is None

@@ -164,12 +164,13 @@ def test_max_seconds_ends_the_run_after_the_step_that_reaches_it_and_checkpoints
 
 
 def test_resume_across_an_epoch_boundary_with_workers(tmp_path):
-    # 256 images / batch 8 = 32 steps per epoch: stop in epoch 0, resume into epoch 1
-    kw = dict(num_workers=2, checkpoint_every=30, log_every=10)
-    full = train(tiny_config(tmp_path / "full", steps=34, **kw))
-    train(tiny_config(tmp_path / "split", steps=30, **kw))
-    second = train(tiny_config(tmp_path / "split", steps=34, **kw))
-    assert [v for _, v in second.losses] == [v for _, v in full.losses[30:]]
+    # 40 images / batch 8 = 5 steps per epoch: stop in epoch 0, resume into epoch 1
+    kw = dict(num_workers=2, checkpoint_every=4, log_every=1, synthetic_size=40)
+    full = train(tiny_config(tmp_path / "full", steps=7, **kw))
+    train(tiny_config(tmp_path / "split", steps=4, **kw))
+    second = train(tiny_config(tmp_path / "split", steps=7, **kw))
+    assert len(second.losses) == 3  # steps 5, 6 and 7: the last of epoch 0 and the first two of epoch 1
+    assert [v for _, v in second.losses] == [v for _, v in full.losses[4:]]
 
 
 def test_checkpoints_are_pruned_and_a_mismatched_run_is_refused(tmp_path):
