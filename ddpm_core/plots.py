@@ -716,7 +716,7 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
     ax.set_yscale("log")
     ax.set_xlabel("batch size per process")
     ax.set_ylabel(f"seconds per epoch ({images:,} images)")
-    ax.legend(fontsize=8, loc="upper right")
+    legend_below(ax, fontsize=8, ncol=2)  # inside, it covered the last point of a line
     _title(ax, title, label)
     fig.tight_layout()
     return fig
