@@ -847,13 +847,30 @@ def same_step_note(earlier: Measurement, now_ms: float, *, where: str, tolerance
             "between is in that gap, which is why only pairs measured side by side, in one cell, are compared.)")
 
 
+# The memory column of summary_table is named by what its rows measured (see memory_column).
+MEMORY_COLUMNS = ("peak memory (MiB)", "saved for backward (MiB)", "memory (MiB)")
+
+
+def memory_column(measurements: Sequence[Measurement]) -> str:
+    """The name of summary_table's memory column: "peak memory (MiB)" where every row is a CUDA peak, "saved for
+    backward (MiB)" where every row counted the bytes autograd saves (a CPU: no peak is measured there), and plain
+    "memory (MiB)" for a mix (the "memory measured" column then says which is which)."""
+    kinds = {m.memory_kind for m in measurements if m.peak_memory_bytes is not None}
+    if kinds and all(k.startswith("peak") or "CUDA" in k for k in kinds):
+        return MEMORY_COLUMNS[0]
+    if kinds == {SAVED_KIND}:
+        return MEMORY_COLUMNS[1]
+    return MEMORY_COLUMNS[2]
+
+
 def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.DataFrame":
     """The Summary table every notebook ends with: variant, ms/step, img/s, speedup over
-    ``measurements[baseline]`` (a ratio of two measurements of this run), peak memory, MFU with
-    the peak it divides by, device."""
+    ``measurements[baseline]`` (a ratio of two measurements of this run), memory (named by what was measured:
+    :func:`memory_column`), MFU with the peak it divides by, device."""
     import pandas as pd
 
     base = measurements[baseline]
+    memory = memory_column(measurements)
     rows = []
     for m in measurements:
         rows.append({
@@ -862,7 +879,7 @@ def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.Dat
             "ms/step": round(m.median_ms, 2),
             "img/s": round(m.images_per_s, 1),
             "speedup": f"{m.images_per_s / base.images_per_s:.2f}x",
-            "peak memory (MiB)": None if m.peak_memory_bytes is None else round(m.peak_memory_bytes / 2**20),
+            memory: None if m.peak_memory_bytes is None else round(m.peak_memory_bytes / 2**20),
             "TFLOP/s": None if m.tflops is None else round(m.tflops, 3),
             "MFU": (f"{100 * m.mfu:.1f}% of {m.peak}" if m.mfu is not None else
                     "n/a on CPU" if m.device.startswith("cpu") else (m.note or "n/a")),

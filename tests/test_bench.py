@@ -177,16 +177,16 @@ def test_mfu_has_one_fixed_bf16_yardstick_beside_the_per_precision_one():
 
 def test_measure_takes_the_precision_from_the_trainer_and_refuses_to_guess(tmp_path):
     t = build(tiny_config(tmp_path, precision="bf16"))
-    x = torch.rand(4, 3, 32, 32) * 2 - 1
-    m = bench.measure(t.train_step, x, batch_size=4, warmup=1, iters=1, flops=10**9)
+    x = torch.rand(1, 3, 32, 32) * 2 - 1  # one image: bf16 convolutions are slow on a CPU without bf16 instructions
+    m = bench.measure(t.train_step, x, batch_size=1, warmup=1, iters=1, flops=10**9)
     assert m.precision == "bf16"  # was: silently "fp32", a 15x too small peak on a GPU
     calls = []
     with pytest.raises(ValueError, match=r"pass precision="):
-        bench.measure(lambda: calls.append(t.train_step(x)), batch_size=4, warmup=1, iters=1, flops=10**9)
+        bench.measure(lambda: calls.append(t.train_step(x)), batch_size=1, warmup=1, iters=1, flops=10**9)
     assert calls == []  # refused before running anything
-    m = bench.measure(lambda: t.train_step(x), batch_size=4, warmup=1, iters=1, flops=10**9, precision="bf16")
+    m = bench.measure(lambda: t.train_step(x), batch_size=1, warmup=1, iters=1, flops=10**9, precision="bf16")
     assert m.precision == "bf16"
-    table = bench.summary_table([m, bench.measure(lambda: t.train_step(x), batch_size=4, warmup=1, iters=1)])
+    table = bench.summary_table([m, bench.measure(lambda: t.train_step(x), batch_size=1, warmup=1, iters=1)])
     # A CPU has no peak: no column of blanks for the bf16 MFU, and no None/NaN cell (the FLOP-less row says n/a).
     assert "MFU vs bf16 peak" not in table.columns
     assert not table.isna().any().any()
@@ -355,6 +355,13 @@ def test_summary_table_names_what_memory_it_shows_and_adds_reserved_on_cuda():
                              5 * 2**30, None, "bf16")
     t = bench.summary_table([gpu])
     assert t["reserved (MiB)"].iloc[0] == 5 * 1024 and t["peak memory (MiB)"].iloc[0] == 3 * 1024
+    # On a CPU the number is the bytes saved for backward, not a peak: the column says so (it said "peak memory")
+    saved = bench._measurement("cpu step", torch.device("cpu"), 8, 1.0, [1.0, 1.0], 2**20, bench.SAVED_KIND, None,
+                               None, "fp32")
+    t = bench.summary_table([saved, saved])
+    assert "peak memory (MiB)" not in t.columns and t["saved for backward (MiB)"].iloc[0] == 1
+    assert "memory (MiB)" in bench.summary_table([saved, gpu]).columns  # a mix: "memory measured" tells them apart
+    assert all(c in bench.MEMORY_COLUMNS for c in ("peak memory (MiB)", "saved for backward (MiB)", "memory (MiB)"))
 
 
 def test_env_show_prints_the_label_and_returns_the_device(capsys):

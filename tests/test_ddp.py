@@ -68,27 +68,6 @@ def test_ddp_with_two_gloo_processes_matches_one_process_on_the_concatenated_bat
     assert moved > 10  # the step really changed the weights
 
 
-def test_torchrun_entry_point_trains_logs_once_and_resumes(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    out_dir = tmp_path / "run"
-
-    def launch(steps: int) -> str:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
-               "-m", "ddpm_core.train", "--model", "tiny", "--device", "cpu", "--dataset", "synthetic",
-               "--synthetic-size", "64", "--batch-size", "4", "--steps", str(steps), "--warmup-steps", "0",
-               "--checkpoint-every", "2", "--log-every", "1", "--no-progress", "--out-dir", str(out_dir)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc.stdout
-
-    first = launch(4)
-    assert first.count("done: step 4") == 1  # rank 0 alone logs
-    ckpt = load_checkpoint_file(list_checkpoints(out_dir)[-1])
-    assert ckpt["step"] == 4 and len(ckpt["rng"]) == 2  # every rank's random streams are saved
-    second = launch(6)
-    assert "resuming from" in second and "step-00000004.pt" in second and "done: step 6" in second
-
-
 def _torchrun(args, out_dir, steps, env_extra=None, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", *args,
@@ -120,14 +99,27 @@ def test_a_killed_worker_is_restarted_and_training_resumes_without_losing_steps(
     # test_train_releases_ddp_before_destroying_the_group), and torchrun counts that as a crash. With restarts to
     # spare, any such failure is restarted too, resumes from the newest checkpoint, and must still end with
     # exactly the weights of the uninterrupted run.
-    args = ["--nproc_per_node=2", "--max-restarts=3", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_free_port()}"]
-    faulty = _torchrun(args, tmp_path / "faulty", 8, {"DDPM_KILL_AT": "1:5"})
-    out = faulty.communicate(timeout=300)[0]
+    # The two jobs run at once, each on its own rendezvous port: most of a launch is starting Python and torch.
+    # The clean one also checks the plain torchrun entry point: rank 0 alone logs, and every rank's random streams
+    # are saved. (A relaunch that resumes is the restart below: new worker processes that find the checkpoint.)
+    with socket.socket() as a, socket.socket() as b:  # two distinct free ports, both held until both are known
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = a.getsockname()[1], b.getsockname()[1]
+
+    def args(port):
+        return ["--nproc_per_node=2", "--max-restarts=3", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+
+    faulty = _torchrun(args(ports[0]), tmp_path / "faulty", 8, {"DDPM_KILL_AT": "1:5"})
+    clean = _torchrun(args(ports[1]), tmp_path / "clean", 8)
+    out, clean_out = faulty.communicate(timeout=300)[0], clean.communicate(timeout=300)[0]
     assert faulty.returncode == 0, out
     assert "rank 1: killed at step 5 on purpose" in out
     assert "resuming from" in out and "step-00000004.pt" in out and "done: step 8" in out
-    clean = _torchrun(args, tmp_path / "clean", 8)
-    assert clean.communicate(timeout=300)[0] and clean.returncode == 0
+    assert clean.returncode == 0, clean_out
+    assert clean_out.count("done: step 8") == 1 and "resuming from" not in clean_out  # rank 0 alone logs
+    ckpt = load_checkpoint_file(list_checkpoints(tmp_path / "clean")[-1])
+    assert ckpt["step"] == 8 and len(ckpt["rng"]) == 2  # every rank's random streams are saved
     a, b = _final_weights(tmp_path / "faulty"), _final_weights(tmp_path / "clean")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the restarted run ends exactly where an uninterrupted one does
 
