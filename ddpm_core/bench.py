@@ -11,12 +11,14 @@ softmax(QK^T)V whatever kernel ran), so a kernel that recomputes does not earn e
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -291,18 +293,23 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _trainer_cfg(fn: Callable[..., Any]) -> Any:
+    """The config of the trainer whose method ``fn`` is (``t.train_step``, or ``functools.partial(t.train_step, x)``),
+    else None. A lambda hides its trainer: pass ``precision=`` and ``cuda_graphs=`` explicitly then."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    return getattr(getattr(fn, "__self__", None), "cfg", None)
+
+
 def _precision_of(fn: Callable[..., Any]) -> str | None:
     """The precision of the trainer whose method ``fn`` is (``t.train_step``), else None."""
-    cfg = getattr(getattr(fn, "__self__", None), "cfg", None)
-    return getattr(cfg, "precision", None)
+    return getattr(_trainer_cfg(fn), "precision", None)
 
 
 def _uses_cuda_graphs(fn: Callable[..., Any]) -> bool:
     """Whether ``fn`` is a method of a trainer whose compile mode replays CUDA graphs."""
     from .train import CUDAGRAPH_MODES
 
-    cfg = getattr(getattr(fn, "__self__", None), "cfg", None)
-    return getattr(cfg, "compile", None) in CUDAGRAPH_MODES
+    return getattr(_trainer_cfg(fn), "compile", None) in CUDAGRAPH_MODES
 
 
 def mfu_fields(tflops: float, device_name_: str, precision: str) -> dict[str, Any]:
@@ -813,6 +820,66 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
             (mem, kind), reserved = (saved_tensor_bytes(v.fn, *v.args) if memory else (None, "not measured")), None
         measurements.append(_measurement(v.name, device, v.batch_size, first[v.name], times[v.name], mem, kind,
                                          reserved, v.flops, v.precision or _precision_of(v.fn)))
+    spreads = {m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in measurements}
+    noise = Noise(cores=load.cores, load_1min=load.load_1min, other_cpu_share=load.other_share, spreads=spreads)
+    return Comparison(measurements, noise, baseline=baseline, rounds=rounds)
+
+
+def compare_in_processes(configs: dict[str, dict[str, Any]], *, batch_size: int, rounds: int = 3, iters: int = 5,
+                         warmup: int = 3, flops: int | None = None, baseline: int = 0, timeout: float = 900,
+                         progress: bool = True) -> Comparison:
+    """:func:`compare` for settings a process remembers: each variant's step is timed in a fresh Python process
+    (``python -m ddpm_core.step_bench``), one launch per variant per round, launched in interleaved order (ABC, then
+    CBA). ``configs`` maps a variant's name to its ``TrainConfig`` fields; every launch gets this process's torch
+    thread count. The times of a variant's launches are pooled; its first call is the median of theirs.
+
+    Why: cuDNN caches the algorithm it picked for each convolution shape for the life of the process, by heuristics
+    or by timing the candidates (``cudnn.benchmark``), and a later trainer with the same shapes reuses it. In one
+    process, ``cudnn.benchmark=True`` after a ``False`` run of the same shapes changes nothing.
+    """
+    import subprocess
+    import sys
+    import tempfile
+
+    from tqdm.auto import tqdm
+
+    if not configs:
+        raise ValueError("compare_in_processes() needs at least one configuration")
+    if rounds < 1 or iters < 1 or warmup < 1:
+        raise ValueError(f"need rounds, iters and warmup >= 1; got rounds={rounds}, iters={iters}, warmup={warmup}")
+    from .train import TrainConfig
+
+    for name, fields in configs.items():  # a bad field fails here, with its name, before any launch
+        try:
+            TrainConfig(**{"dataset": "synthetic", **fields, "batch_size": batch_size})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"configuration {name!r} is not a valid TrainConfig: {e}") from e
+    names = list(configs)
+    got: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    bar = tqdm(total=rounds * len(names), desc="launches", disable=not progress, leave=False)
+    with tempfile.TemporaryDirectory(prefix="ddpm-step-bench-") as tmp, CpuLoad() as load:
+        for r in range(rounds):
+            for i, name in enumerate(names if r % 2 == 0 else names[::-1]):
+                out = Path(tmp) / f"r{r}_{i}.json"
+                cmd = [sys.executable, "-m", "ddpm_core.step_bench", "--config", json.dumps(configs[name]),
+                       "--batch-size", str(batch_size), "--warmup", str(warmup), "--iters", str(iters),
+                       "--threads", str(torch.get_num_threads()), "--out", str(out)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+                if proc.returncode != 0 or not out.exists():
+                    raise RuntimeError(f"the launch of {name!r} (round {r + 1}) failed with exit {proc.returncode}; "
+                                       f"its last output:\n{(proc.stdout + proc.stderr)[-3000:]}")
+                got[name].append(json.loads(out.read_text()))
+                bar.update(1)
+    bar.close()
+    measurements = []
+    for name in names:
+        runs = got[name]
+        mem = [r["memory_bytes"] for r in runs if r["memory_bytes"] is not None]
+        reserved = [r["reserved_bytes"] for r in runs if r["reserved_bytes"] is not None]
+        m = _measurement(name, torch.device(runs[0]["device"]), batch_size, statistics.median(r["first_ms"] for r in runs),
+                         [t for r in runs for t in r["times_ms"]], max(mem) if mem else None, runs[0]["memory_kind"],
+                         max(reserved) if reserved else None, flops, runs[0]["precision"])
+        measurements.append(m)
     spreads = {m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in measurements}
     noise = Noise(cores=load.cores, load_1min=load.load_1min, other_cpu_share=load.other_share, spreads=spreads)
     return Comparison(measurements, noise, baseline=baseline, rounds=rounds)

@@ -166,7 +166,9 @@ def cuda_timeline(fn: Callable[..., Any], *args: Any, device: torch.device | str
                            "allocator (on a CPU, use saved_by_module)")
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, device=device)
+    # context=None: no tracebacks (only the events' sizes and times are read), so the snapshot has no C++ frames to
+    # symbolize, which can take minutes for a whole training step
+    torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=max_entries, device=device)
     try:
         fn(*args, **kwargs)
         torch.cuda.synchronize(device)

@@ -168,17 +168,22 @@ ANNOTATION = re.compile(r"^(ProfilerStep[#*]|" + re.escape(PHASE_PREFIX) + ")") 
 
 
 def step_phases(table: pd.DataFrame) -> pd.DataFrame:
-    """The train_step phases of an op table (``op_table(..., annotations=True)``): CPU time per
-    phase (and device time where a GPU ran), per profiled step, and each phase's share."""
+    """The train_step phases of an op table (``op_table(..., annotations=True)``): the host's time per
+    phase, per profiled step, and each phase's share of the labelled time.
+
+    Host time only. On a GPU the profiler also records each span on the device (a second row of the same name), but
+    that row misses the backward pass: autograd launches its kernels from a thread of its own, outside the span's
+    thread. Which kernels each phase launched, and when they ran, is read from the trace file (notebook 02, Exercise 1).
+    """
     rows = table[table["name"].astype(str).str.startswith(PHASE_PREFIX)]
+    if "device_type" in rows:
+        rows = rows[rows["device_type"] == "CPU"]
     if rows.empty:
         raise ValueError("no train_step/ phases in this table: capture Trainer.train_step, and pass annotations=True to op_table")
+    rows = rows.groupby("name", as_index=False, sort=False)[["calls", "cpu_total_us"]].sum()
     out = pd.DataFrame({"phase": rows["name"].str.slice(len(PHASE_PREFIX)), "calls": rows["calls"],
                         "cpu_ms_per_step": rows["cpu_total_us"] / rows["calls"] / 1e3})
-    if rows["device_total_us"].sum() > 0:
-        out["device_ms_per_step"] = rows["device_total_us"] / rows["calls"] / 1e3
-    key = "device_ms_per_step" if "device_ms_per_step" in out else "cpu_ms_per_step"
-    out["share"] = out[key] / out[key].sum()
+    out["share"] = out["cpu_ms_per_step"] / out["cpu_ms_per_step"].sum()
     order = {p: i for i, p in enumerate(("forward", "backward", "optimizer", "ema"))}
     return out.sort_values("phase", key=lambda s: s.map(order)).reset_index(drop=True)
 
@@ -197,26 +202,43 @@ _OP_COLUMNS = {
 }
 
 
+def _device_type(e: Any) -> str:
+    d = getattr(e, "device_type", None)
+    return getattr(d, "name", None) or str(d or "CPU").rsplit(".", 1)[-1]
+
+
 def op_table(prof: profile, sort_by: str | None = None, top: int | None = None, group_by_input_shape: bool = False,
-             annotations: bool = False) -> pd.DataFrame:
+             annotations: bool = False, kernels: bool = False) -> pd.DataFrame:
     """The profiler's ``key_averages()`` as a DataFrame (times in microseconds, memory in bytes).
 
     Columns: name, self/total CPU time, self/total device time, CPU/device memory (self and
-    total), calls, and each op's share of the total self time. Sorted by self device time
-    when the trace has device activity, else by self CPU time. Step markers (``ProfilerStep#N``)
-    and the train_step phase labels are spans, not operators: they are left out unless
-    ``annotations=True`` (``step_phases`` reads the phases).
+    total), calls, each row's share of the total self time, and ``device_type`` (where the row's
+    events ran). Sorted by self device time when the trace has device activity, else by self CPU
+    time. Step markers (``ProfilerStep#N``) and the train_step phase labels are spans, not
+    operators: they are left out unless ``annotations=True`` (``step_phases`` reads the phases).
+
+    On a GPU, ``key_averages()`` has a row per operator (run on the host; its self device time is the
+    kernels it launched) *and* a row per kernel (run on the device): the same device time twice. The
+    table keeps the operators, or with ``kernels=True`` the kernels instead; the device shares are
+    of the device's total either way.
     """
     events = prof.key_averages(group_by_input_shape=group_by_input_shape)
     if not annotations:
         events = [e for e in events if not ANNOTATION.match(str(e.key))]
     rows = [{col: getattr(e, attr, 0) for col, attr in _OP_COLUMNS.items()} for e in events]
-    if group_by_input_shape:
-        for r, e in zip(rows, events):
+    for r, e in zip(rows, events):
+        r["device_type"] = _device_type(e)
+        r["annotation"] = bool(getattr(e, "is_user_annotation", False))
+        if group_by_input_shape:
             r["input_shapes"] = str(e.input_shapes)
-    df = pd.DataFrame(rows, columns=list(_OP_COLUMNS) + (["input_shapes"] if group_by_input_shape else []))
-    for kind in ("cpu", "device"):
-        total = df[f"self_{kind}_us"].sum()
+    df = pd.DataFrame(rows, columns=list(_OP_COLUMNS) + ["device_type", "annotation"]
+                      + (["input_shapes"] if group_by_input_shape else []))
+    on_device = (df["device_type"] != "CPU") & ~df["annotation"]
+    # the device's total: its own rows where the profiler wrote them (kineto), else the operators' (legacy)
+    device_total = df.loc[on_device, "self_device_us"].sum() if on_device.any() else df["self_device_us"].sum()
+    cpu_total = df.loc[~on_device, "self_cpu_us"].sum()  # host rows (record_function spans inside torch included)
+    df = df[on_device if kernels else ~on_device].drop(columns="annotation").reset_index(drop=True)
+    for kind, total in (("cpu", cpu_total), ("device", device_total)):
         df[f"self_{kind}_pct"] = 100.0 * df[f"self_{kind}_us"] / total if total > 0 else 0.0
     if sort_by is None:
         sort_by = "self_device_us" if df["self_device_us"].sum() > 0 else "self_cpu_us"

@@ -247,7 +247,10 @@ def trim_trace(src: Path, dst: Path, steps: int = TRACE_STEPS) -> dict[str, int]
 
     Kept: metadata, every host event inside the window, and the GPU kernels, copies and memsets
     launched from it (matched by correlation id: a kernel runs after its launch, often after the
-    window), with their flow events. Returns the event counts before and after.
+    window), with their flow events. Launches are runtime calls (``cudaLaunchKernel``, category
+    ``cuda_runtime``) or driver calls (``cuLaunchKernel``, ``cuda_driver``: how Triton kernels of a
+    compiled step are launched). GPU-side ``record_function`` spans (``gpu_user_annotation``) are kept
+    where they start inside the window. Returns the event counts before and after.
     """
     with gzip.open(src, "rt") if src.name.endswith(".gz") else open(src) as f:
         trace = json.load(f)
@@ -257,16 +260,20 @@ def trim_trace(src: Path, dst: Path, steps: int = TRACE_STEPS) -> dict[str, int]
     if len(marks) > steps:
         start, end = marks[0]["ts"], marks[steps - 1]["ts"] + marks[steps - 1].get("dur", 0)
         device_cats = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
+        launch_cats = {"cuda_runtime", "cuda_driver"}
 
         def host_kept(e: dict) -> bool:
             return e.get("cat") not in device_cats and "ts" in e and start <= float(e["ts"]) <= end
 
         kept_corr = {e.get("args", {}).get("correlation") for e in events
-                     if e.get("cat") == "cuda_runtime" and host_kept(e)} - {None}
+                     if e.get("cat") in launch_cats and host_kept(e)} - {None}
         out = []
         for e in events:
             if e.get("ph") == "M" or "ts" not in e:
                 out.append(e)
+            elif e.get("cat") == "gpu_user_annotation":  # no launch of its own: kept where it starts in the window
+                if start <= float(e["ts"]) <= end:
+                    out.append(e)
             elif e.get("cat") in device_cats:
                 if e.get("args", {}).get("correlation") in kept_corr:
                     out.append(e)

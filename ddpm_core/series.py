@@ -142,7 +142,10 @@ def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | 
         # DDPM_HEADLESS: no frontend is attached, so notebooks leave out live widgets (00's slider)
         with temporary_env({"DDPM_SMOKE": "1" if smoke else "0", "DDPM_FIGURES_DIR": str(figures), "DDPM_HEADLESS": "1"}):
             pm.execute_notebook(str(notebook), str(executed), parameters=parameters or {}, cwd=str(notebook.parent),
-                                kernel_name="python3", progress_bar=False, execution_timeout=timeout)
+                                kernel_name="python3", progress_bar=False, execution_timeout=timeout,
+                                # ipykernel >= 7.4 logs a plain-TCP warning at every start; the kernel listens on
+                                # 127.0.0.1 only. Its errors still print.
+                                extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except pm.PapermillExecutionError as e:
         raise NotebookFailed(f"{notebook.name}: cell {e.exec_count} raised {e.ename}: {e.evalue} "
                              f"(executed copy: {executed})") from e

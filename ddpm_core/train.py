@@ -408,7 +408,11 @@ class Trainer:
         # Assign another callable of the same signature to swap it (04's recording backend does).
         self.loss_fn = self.loss_eager
         if cfg.compile:
-            self.loss_fn = torch.compile(self.loss_eager, mode=cfg.compile)
+            # dynamic=False: every trainer compiles the same function (loss_eager), and Dynamo remembers the shapes
+            # it saw per function; a second trainer at another batch size would get a dynamic-batch graph, not the
+            # static one the same config gets in a fresh process. The loader drops the last partial batch, so a run
+            # sees one shape.
+            self.loss_fn = torch.compile(self.loss_eager, mode=cfg.compile, dynamic=False)
         self.step = 0
 
     def loss_eager(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,11 @@
 # value, written here) so that meta.json names the commit the run measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ $# -eq 0 ]; then  # checked before anything is installed or run
+  echo "gpu_call: name the parts to run, e.g. 'bash scripts/gpu_call.sh meta gpu-tests nb-02' (parts: python -m" \
+       "ddpm_core.reference run --help), or '--shakedown' for every notebook in smoke mode" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/gpu_call_out}
 mkdir -p "$OUT"
 start=$(date +%s)

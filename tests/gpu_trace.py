@@ -16,7 +16,9 @@ LAUNCHED = ("aten::convolution", "aten::convolution_backward", "aten::addmm", "a
 
 
 def gpu_trace_from_cpu(src: Path, dst: Path, *, kernel_us: float = 40.0, launch_us: float = 6.0,
-                       gap_us: float = 2.0, drop_step_markers: bool = False) -> Path:
+                       gap_us: float = 2.0, drop_step_markers: bool = False, driver_every: int = 0) -> Path:
+    """``driver_every=N``: every Nth launch is a CUDA driver call (``cuLaunchKernel``, category ``cuda_driver``), as
+    Triton kernels of a compiled step are launched, instead of a runtime ``cudaLaunchKernel``."""
     with gzip.open(src, "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"]
@@ -26,7 +28,9 @@ def gpu_trace_from_cpu(src: Path, dst: Path, *, kernel_us: float = 40.0, launch_
     for i, op in enumerate(ops):
         corr = 100_000 + i
         launch_ts = op["ts"] + min(1.0, op.get("dur", 2) / 4)
-        added.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": cpu_pid, "tid": op["tid"],
+        driver = driver_every and i % driver_every == 0
+        added.append({"ph": "X", "cat": "cuda_driver" if driver else "cuda_runtime",
+                      "name": "cuLaunchKernel" if driver else "cudaLaunchKernel", "pid": cpu_pid, "tid": op["tid"],
                       "ts": launch_ts, "dur": launch_us,
                       "args": {"correlation": corr, "External id": op["args"]["External id"], "cbid": 211}})
         start = max(launch_ts + launch_us + gap_us, gpu_free + gap_us)

@@ -207,6 +207,9 @@ def test_cuda_graph_steps_report_the_memory_their_pools_hold(monkeypatch):
     assert bench._uses_cuda_graphs(type("S", (), {"step": lambda self: None})().step) is False
     bound = (lambda self: None).__get__(t)
     assert bench._uses_cuda_graphs(bound) is True and bench._precision_of(bound) == "bf16"
+    import functools  # bench_peers hands its steps over as partials of the trainer's method: seen through too
+
+    assert bench._uses_cuda_graphs(functools.partial(bound)) is True and bench._precision_of(functools.partial(bound)) == "bf16"
 
 
 # ------------------------------------------------------------------------------ the comparison protocol
@@ -458,3 +461,55 @@ def test_same_step_note_speaks_only_when_two_timings_of_one_step_drift_apart():
     assert "Section 1 timed the same step at 266 ms" in note and "177 ms" in note and "33% apart" in note
     with pytest.raises(ValueError, match="positive"):
         bench.same_step_note(m, 0.0, where="Section 1")
+
+
+# ------------------------------------------------------------------------------ settings a process remembers
+def test_compare_in_processes_launches_each_variant_fresh_in_interleaved_order(monkeypatch):
+    import json
+    import subprocess
+
+    launched = []
+
+    def fake_run(cmd, **kw):
+        config = json.loads(cmd[cmd.index("--config") + 1])
+        launched.append(config["cudnn_benchmark"])
+        assert cmd[cmd.index("--threads") + 1] == str(torch.get_num_threads())  # every variant: this process's threads
+        ms = 10.0 if config["cudnn_benchmark"] else 20.0
+        Path = __import__("pathlib").Path
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({
+            "times_ms": [ms, ms * 1.01, ms * 0.99], "first_ms": 100.0, "device": "cpu", "precision": "fp32",
+            "memory_bytes": 2**20, "memory_kind": bench.SAVED_KIND, "reserved_bytes": None}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    cmp = bench.compare_in_processes({"off": {"model": "tiny", "cudnn_benchmark": False},
+                                      "on": {"model": "tiny", "cudnn_benchmark": True}},
+                                     batch_size=4, rounds=3, iters=3, warmup=1, progress=False)
+    assert launched == [False, True, True, False, False, True]  # ABBAAB: drift hits both alike
+    off, on = cmp.measurements
+    assert off.iters == on.iters == 9 and off.first_ms == 100.0 and on.median_ms == pytest.approx(10.0)
+    assert off.memory_kind == bench.SAVED_KIND and off.images_per_s == pytest.approx(4 / 0.02)
+
+
+def test_compare_in_processes_refuses_a_bad_configuration_before_launching_and_names_a_failed_launch(monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match="configuration 'typo' is not a valid TrainConfig"):
+        bench.compare_in_processes({"typo": {"modle": "tiny"}}, batch_size=2)
+    with pytest.raises(ValueError, match="configuration 'bad' is not a valid TrainConfig"):
+        bench.compare_in_processes({"bad": {"model": "no-such-model"}}, batch_size=2)
+    with pytest.raises(ValueError, match="at least one"):
+        bench.compare_in_processes({}, batch_size=2)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: subprocess.CompletedProcess(cmd, 1, "", "CUDA error: boom"))
+    with pytest.raises(RuntimeError, match=r"(?s)the launch of 'a' \(round 1\) failed with exit 1.*CUDA error: boom"):
+        bench.compare_in_processes({"a": {"model": "tiny"}}, batch_size=2, progress=False)
+
+
+@pytest.mark.slow
+def test_compare_in_processes_times_real_launches_and_names_a_failing_one():
+    cmp = bench.compare_in_processes({"a": {"model": "tiny", "device": "cpu"}, "b": {"model": "tiny", "device": "cpu",
+                                                                                   "cudnn_benchmark": True}},
+                                     batch_size=2, rounds=1, iters=2, warmup=1, progress=False)
+    assert [m.name for m in cmp.measurements] == ["a", "b"] and all(m.iters == 2 and m.median_ms > 0 for m in cmp.measurements)
+    assert cmp.measurements[0].memory_kind == bench.SAVED_KIND and cmp.noise.threads == torch.get_num_threads()

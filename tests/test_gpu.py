@@ -346,3 +346,13 @@ def test_bench_peers_and_the_quality_check_run_on_the_gpu_with_the_compiled_fast
     fast = [a for a in r.arms.values() if a["kind"] == "fast"][0]
     assert fast["precision"] == "bf16" and all(len(c) == 12 for c in r.curves.values())
     assert all(math.isfinite(v) for v in r.heldout["loss"]) and r.verdict()
+
+
+def test_cudnn_autotuning_is_timed_in_fresh_processes_on_the_gpu():
+    """Notebooks 02 and 03 time cudnn.benchmark off and on with compare_in_processes: each launch builds its trainer
+    on the GPU, times it with CUDA events and reports the allocator's peak."""
+    fields = {"model": "tiny", "device": "cuda", "precision": "fp32", "attention": "math"}
+    cmp = bench.compare_in_processes({f"cudnn.benchmark={f}": {**fields, "cudnn_benchmark": f} for f in (False, True)},
+                                     batch_size=16, rounds=1, iters=3, warmup=3, flops=10**9, progress=False)
+    assert all(m.device.startswith("cuda") and m.memory_kind == "peak allocated (CUDA)" and m.iters == 3
+               and m.tflops is not None for m in cmp.measurements)

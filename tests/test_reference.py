@@ -148,15 +148,17 @@ def test_trim_keeps_the_asked_steps_and_the_kernels_they_launched(tmp_path):
 
     t = build(tiny_config(tmp_path, batch_size=2))
     cap = profiling.capture(t.train_step, torch.rand(2, 3, 32, 32) * 2 - 1, out_dir=tmp_path / "cpu", active=5)
-    src = gpu_trace_from_cpu(cap.trace_path, tmp_path / "gpu" / "rank0.pt.trace.json.gz")
+    # every third kernel launched through the driver API (cuLaunchKernel), as a compiled step's Triton kernels are
+    src = gpu_trace_from_cpu(cap.trace_path, tmp_path / "gpu" / "rank0.pt.trace.json.gz", driver_every=3)
     counts = reference.trim_trace(src, tmp_path / "trim" / "rank0.pt.trace.json.gz", steps=2)
     assert counts["events_after"] < counts["events_before"]
     with gzip.open(tmp_path / "trim" / "rank0.pt.trace.json.gz", "rt") as f:
         kept = json.load(f)
     steps = [e for e in kept["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
     kernels = [e for e in kept["traceEvents"] if e.get("cat") == "kernel"]
-    launches = {e["args"]["correlation"] for e in kept["traceEvents"] if e.get("cat") == "cuda_runtime"}
+    launches = {e["args"]["correlation"] for e in kept["traceEvents"] if e.get("cat") in ("cuda_runtime", "cuda_driver")}
     assert len(steps) == 2 and kernels and {k["args"]["correlation"] for k in kernels} == launches
+    assert any(e.get("cat") == "cuda_driver" for e in kept["traceEvents"])  # driver launches keep their kernels too
     assert kept["distributedInfo"]["rank"] == 0 and kept["deviceProperties"]
     rep = traces.analyze(tmp_path / "trim", verbose=False)
     assert rep.has_gpu and rep.temporal is not None
@@ -280,6 +282,14 @@ def test_a_smoke_run_on_a_gpu_gets_its_own_folder_beside_the_gpus_reference(monk
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
     assert reference.default_out(smoke=False) == tmp_path / "h100-80gb-hbm3"
     assert reference.default_out(smoke=True) == tmp_path / "h100-80gb-hbm3-smoke"
+
+
+def test_gpu_call_without_parts_says_how_to_name_them_before_doing_anything(tmp_path):
+    script = series.REPO_ROOT / "scripts" / "gpu_call.sh"
+    proc = subprocess.run(["bash", str(script)], env={**os.environ, "OUT": str(tmp_path / "OUT")},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "name the parts to run" in proc.stderr and "--shakedown" in proc.stderr
+    assert not (tmp_path / "OUT").exists()  # nothing installed, made or run
 
 
 def test_gpu_call_runs_its_parts_and_leaves_the_archive_and_the_log_in_OUT(tmp_path):

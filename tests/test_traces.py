@@ -63,6 +63,44 @@ def test_the_step_is_split_into_labelled_phases_and_spans_are_not_operators(cpu_
         profiling.step_phases(cpu_capture.op_table())
 
 
+def test_on_a_gpu_the_op_table_counts_device_time_once_and_phases_read_the_host_rows():
+    """key_averages() on a GPU: operators (host rows; self device time = the kernels they launched), the kernels
+    themselves (device rows: the same time again), and each record_function span twice (host and device)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(key, device=DeviceType.CPU, self_cpu=0.0, cpu_total=0.0, self_dev=0.0, dev_total=0.0, calls=2, ann=False):
+        return SimpleNamespace(key=key, device_type=device, self_cpu_time_total=self_cpu, cpu_time_total=cpu_total,
+                               self_device_time_total=self_dev, device_time_total=dev_total, count=calls,
+                               is_user_annotation=ann, self_cpu_memory_usage=0, cpu_memory_usage=0,
+                               self_device_memory_usage=0, device_memory_usage=0, input_shapes=[])
+
+    events = [ev("aten::cudnn_convolution", self_cpu=50, cpu_total=80, self_dev=600, dev_total=600),
+              ev("aten::add", self_cpu=20, cpu_total=30, self_dev=200, dev_total=200),
+              ev("cudaLaunchKernel", self_cpu=30, cpu_total=30),
+              ev("sm90_xmma_fprop_implicit_gemm", DeviceType.CUDA, self_dev=600, dev_total=600),
+              ev("vectorized_elementwise_kernel", DeviceType.CUDA, self_dev=200, dev_total=200),
+              ev("ProfilerStep*", self_cpu=5, cpu_total=200, ann=True),
+              ev("train_step/forward", self_cpu=10, cpu_total=60, dev_total=300, ann=True),
+              ev("train_step/forward", DeviceType.CUDA, self_dev=300, dev_total=300, ann=True),
+              ev("train_step/backward", self_cpu=10, cpu_total=120, ann=True),
+              ev("train_step/backward", DeviceType.CUDA, self_dev=5, dev_total=5, ann=True)]
+    prof = SimpleNamespace(key_averages=lambda group_by_input_shape=False: events)
+    ops = profiling.op_table(prof)
+    assert ops["name"].tolist() == ["aten::cudnn_convolution", "aten::add", "cudaLaunchKernel"]  # no kernel rows
+    assert ops["self_device_pct"].tolist() == [75.0, 25.0, 0.0]  # of 800 us on the device, not of 1,600
+    assert ops["self_cpu_pct"].sum() == pytest.approx(100)
+    kernels = profiling.op_table(prof, kernels=True)
+    assert kernels["name"].tolist() == ["sm90_xmma_fprop_implicit_gemm", "vectorized_elementwise_kernel"]
+    assert kernels["self_device_pct"].sum() == pytest.approx(100)
+    phases = profiling.step_phases(profiling.op_table(prof, annotations=True))
+    assert phases["phase"].tolist() == ["forward", "backward"]  # one row each: the host's
+    assert phases["cpu_ms_per_step"].tolist() == [0.03, 0.06] and "device_ms_per_step" not in phases
+    fb = phases.set_index("phase")["cpu_ms_per_step"]
+    assert f"{fb['backward'] / fb['forward']:.1f}" == "2.0"  # notebook 02 formats these as numbers
+
+
 def test_analyze_on_a_cpu_trace_returns_the_cpu_breakdown_and_the_notice(cpu_capture, capsys):
     report = traces.analyze(cpu_capture.trace_dir)
     assert not report.has_gpu and report.ranks == [0]
