@@ -573,9 +573,12 @@ def short_name(name: str, width: int = 48) -> str:
     return name[:head] + "..." + name[-(width - 3 - head):]
 
 
-def trace_diff_bars(diff, *, label: str | None = None, title: str = "What changed in the trace") -> "plt.Figure":
+def trace_diff_bars(diff, *, label: str | None = None, title: str = "What changed in the trace",
+                    inclusive: bool = True) -> "plt.Figure":
     """The rows of ``traces.diff``: time change per operator or kernel, green where time was saved,
-    red where it was added, with the call counts before -> after."""
+    red where it was added, with the call counts before -> after. ``inclusive``: the rows are CPU
+    operators, whose times contain the operators they call (a GPU trace's diff compares kernels,
+    which do not nest: pass False)."""
     set_style()
     diff = diff.reset_index(drop=True)
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(diff) + 1.6))
@@ -586,8 +589,9 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
                                      zip(names, diff["calls before"], diff["calls after"])], fontsize=8)
     ax.axvline(0, color="k", lw=0.8)
     ax.invert_yaxis()
-    ax.set_xlabel("time change in one step (ms; negative = saved)\ninclusive times: a row contains the rows it calls, "
-                  "so nested rows count the same time twice", fontsize=9)
+    ax.set_xlabel("time change in one step (ms; negative = saved)" + (
+        "\ninclusive times: a row contains the rows it calls, so nested rows count the same time twice" if inclusive
+        else "\nkernels: each row is GPU time of its own"), fontsize=9)
     _title(ax, title, label)
     fig.tight_layout()
     return fig

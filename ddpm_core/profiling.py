@@ -237,7 +237,8 @@ def op_table(prof: profile, sort_by: str | None = None, top: int | None = None, 
     # the device's total: its own rows where the profiler wrote them (kineto), else the operators' (legacy)
     device_total = df.loc[on_device, "self_device_us"].sum() if on_device.any() else df["self_device_us"].sum()
     cpu_total = df.loc[~on_device, "self_cpu_us"].sum()  # host rows (record_function spans inside torch included)
-    df = df[on_device if kernels else ~on_device].drop(columns="annotation").reset_index(drop=True)
+    # operators: the host's rows (the device's record_function spans, device_type CUDA, would count their kernels again)
+    df = df[on_device if kernels else df["device_type"] == "CPU"].drop(columns="annotation").reset_index(drop=True)
     for kind, total in (("cpu", cpu_total), ("device", device_total)):
         df[f"self_{kind}_pct"] = 100.0 * df[f"self_{kind}_us"] / total if total > 0 else 0.0
     if sort_by is None:

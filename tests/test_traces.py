@@ -85,7 +85,9 @@ def test_on_a_gpu_the_op_table_counts_device_time_once_and_phases_read_the_host_
               ev("train_step/forward", self_cpu=10, cpu_total=60, dev_total=300, ann=True),
               ev("train_step/forward", DeviceType.CUDA, self_dev=300, dev_total=300, ann=True),
               ev("train_step/backward", self_cpu=10, cpu_total=120, ann=True),
-              ev("train_step/backward", DeviceType.CUDA, self_dev=5, dev_total=5, ann=True)]
+              ev("train_step/backward", DeviceType.CUDA, self_dev=5, dev_total=5, ann=True),
+              # torch's own record_function spans (the optimizer's), on the device too: not an operator
+              ev("Optimizer.step#Adam.step", DeviceType.CUDA, self_dev=150, dev_total=150, ann=True)]
     prof = SimpleNamespace(key_averages=lambda group_by_input_shape=False: events)
     ops = profiling.op_table(prof)
     assert ops["name"].tolist() == ["aten::cudnn_convolution", "aten::add", "cudaLaunchKernel"]  # no kernel rows
