@@ -51,6 +51,32 @@ def test_constraints_pin_one_tested_torch_torchvision_pair_that_every_install_us
     assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
 
 
+def test_every_constraint_is_one_exact_version_and_the_suite_runs_on_it():
+    """constraints.txt pins exact versions (with a marker where a version needs a newer Python), and the
+    environment running this suite has them: what the README calls tested is what was tested."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    wrong = []
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        req = Requirement(line)
+        assert len(req.specifier) == 1 and next(iter(req.specifier)).operator == "==", f"not one exact pin: {line}"
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            wrong.append(f"{req.name}: not installed (pinned {req.specifier})")
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            wrong.append(f"{req.name} {have} (pinned {req.specifier})")
+    assert not wrong, ("this environment is not the pinned one; fix: make setup (pip install -c constraints.txt "
+                       "-e '.[dev]'):\n" + "\n".join(wrong))
+
+
 def test_readme_quick_start_gives_two_commands_that_the_makefile_and_ci_use():
     blocks = _readme_commands()
     commands = [line.strip() for b in blocks for line in b.splitlines() if line.strip() and not line.startswith("#")]
