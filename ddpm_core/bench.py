@@ -17,6 +17,7 @@ import os
 import re
 import statistics
 import time
+import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -327,19 +328,119 @@ def mfu_fields(tflops: float, device_name_: str, precision: str) -> dict[str, An
     return out
 
 
-def cuda_peak_memory(device: torch.device, cuda_graphs: bool) -> tuple[int, int, str]:
+def cuda_peak_memory(device: torch.device, cuda_graphs: bool, others: int = 0) -> tuple[int, int, str]:
     """(bytes to report, bytes reserved, what the first number is) after the timed calls.
 
     ``max_memory_allocated`` counts live tensors, but CUDA-graph replays run in a private memory
     pool that was filled when the graph was recorded, before the stats were reset: their
     activations never show up as new allocations. For such steps the memory reserved by the
     caching allocator (which holds the graph pools) is what the step really holds.
+
+    ``others``: bytes the rest of the process held while the step ran (other trainers a notebook
+    keeps alive: :func:`held_by_others`), left out of the first number, so that it is this step's
+    peak as if it ran alone, not whatever else the kernel holds.
     """
     allocated = torch.cuda.max_memory_allocated(device)
     reserved = torch.cuda.max_memory_reserved(device)
+    alone = ", this step alone" if others > 0 else ""
     if cuda_graphs:
-        return max(allocated, reserved), reserved, "peak reserved (CUDA, includes CUDA-graph pools)"
-    return allocated, reserved, "peak allocated (CUDA)"
+        return max(allocated, reserved) - others, reserved, f"peak reserved (CUDA{alone}, includes CUDA-graph pools)"
+    return allocated - others, reserved, f"peak allocated (CUDA{alone})"
+
+
+def owned_bytes(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+                device: torch.device | str | None = None, max_objects: int = 200_000) -> int:
+    """Bytes of the tensors on ``device`` that calling ``fn(*args, **kwargs)`` holds: those reachable from the
+    callable (a bound method's object, a ``functools.partial``'s function and arguments, a closure's cells, the
+    module-level variables a function names: a notebook's ``t`` in ``def step(): t.train_step(x)``) and from
+    its arguments, through modules (parameters, their gradients, buffers), optimizers (their state), containers and
+    object attributes. Each storage counts once (views share it).
+
+    For a trainer's ``train_step`` that is its weights, gradients, optimizer state, EMA and input batch: what the
+    step needs between calls. A tensor the step allocates inside a library the walk cannot see (cuBLAS's
+    workspace) is not counted.
+    """
+    device = torch.device(device) if device is not None else None
+    seen_objects: set[int] = set()
+    storages: dict[tuple[int, int], int] = {}
+    todo: list[Any] = [fn, *args, *(kwargs or {}).values()]
+    visited = 0
+
+    def add(t: torch.Tensor) -> None:
+        if device is not None and (t.device.type != device.type
+                                   or (device.index is not None and t.device.index not in (None, device.index))):
+            return
+        key = storage_key(t)
+        storages[key] = key[1]
+
+    while todo and visited < max_objects:
+        obj = todo.pop()
+        if (obj is None or isinstance(obj, _NOT_WALKED) or id(obj) in seen_objects
+                or type(obj).__module__.split(".")[0] in ("numpy", "pandas", "matplotlib", "PIL")):
+            continue
+        seen_objects.add(id(obj))
+        visited += 1
+        try:
+            _walk_one(obj, todo, add)
+        except Exception:  # noqa: BLE001 - an object that will not be inspected holds nothing we can count
+            continue
+    return sum(storages.values())
+
+
+_NOT_WALKED = (str, bytes, int, float, bool, complex, type, types.ModuleType, torch.device, torch.dtype)
+
+
+def _walk_one(obj: Any, todo: list[Any], add: Callable[[torch.Tensor], None]) -> None:
+    """One step of :func:`owned_bytes`' walk: count ``obj`` if it is a tensor, else queue what it holds."""
+    if isinstance(obj, torch.Tensor):
+        add(obj)
+        if obj.grad is not None:
+            add(obj.grad)
+    elif isinstance(obj, torch.nn.Module):
+        todo.extend(obj.parameters())
+        todo.extend(obj.buffers())
+        todo.extend(v for v in vars(obj).values() if not isinstance(v, dict))  # e.g. tensors kept as attributes
+    elif isinstance(obj, torch.optim.Optimizer):
+        todo.extend(obj.state.values())
+        todo.extend(p for g in obj.param_groups for p in g["params"])
+    elif isinstance(obj, dict):
+        todo.extend(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        todo.extend(obj)
+    elif callable(obj) and (hasattr(obj, "__self__") or hasattr(obj, "__closure__") or hasattr(obj, "func")):
+        todo.append(getattr(obj, "__self__", None))  # a bound method's object
+        todo.extend(c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _filled(c))
+        if hasattr(obj, "func"):  # functools.partial
+            todo.extend([obj.func, *obj.args, *obj.keywords.values()])
+        todo.append(getattr(obj, "__wrapped__", None))
+        code, scope = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
+        if code is not None and scope is not None:  # the module-level (a notebook's) variables the function names
+            todo.extend(scope[n] for n in _names(code) if n in scope)
+    elif hasattr(obj, "__dict__"):
+        todo.extend(vars(obj).values())
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names a code object and the code nested in it (comprehensions, inner functions) refer to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell: a variable the closure refers to before it is assigned
+        return False
+    return True
+
+
+def held_by_others(fn: Callable[..., Any], args: tuple, kwargs: dict | None, device: torch.device) -> int:
+    """Bytes allocated on ``device`` right now that ``fn`` does not hold (:func:`owned_bytes`): other trainers,
+    leftovers of earlier cells. Call it after the stats reset, before the timed calls."""
+    return max(0, torch.cuda.memory_allocated(device) - owned_bytes(fn, args, kwargs, device))
 
 
 def measure(
@@ -401,6 +502,7 @@ def measure(
                 # counts what this step holds: the graph pools stay, they are in use.
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            others = held_by_others(fn, args, kwargs, device)
             times = _cuda_times(fn, args, kwargs, iters, device)
         else:
             for _ in range(iters):
@@ -408,7 +510,7 @@ def measure(
                 fn(*args, **kwargs)
                 times.append(1e3 * (time.perf_counter() - t0))
     if cuda:
-        peak_mem, reserved, mem_kind = cuda_peak_memory(device, cuda_graphs)
+        peak_mem, reserved, mem_kind = cuda_peak_memory(device, cuda_graphs, others)
     else:
         (peak_mem, mem_kind), reserved = saved_tensor_bytes(fn, *args, **kwargs), None
     m = _measurement(name, device, batch_size, first_ms, times, peak_mem, mem_kind, reserved, flops, precision)
@@ -497,6 +599,9 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tup
 # ------------------------------------------------------------------------------ comparisons
 # A comparison is reported as a ratio only when it can be told apart from noise. The thresholds:
 NOISY_SPREAD = 0.25      # (p90 - p10) / median of one variant's repeats above this: too noisy
+# A p10-p90 range needs a few timed calls to be a spread: from one call it is a point, from two their distance. With
+# fewer timed calls per variant than this, no ratio is stated.
+MIN_TIMED = 3
 NOISY_OTHER_CPU = 0.25   # other processes used more than this share of the machine's CPU time
 SUPERLINEAR = 1.05       # a scaling efficiency above this is a measurement problem, not a result
 
@@ -625,9 +730,10 @@ class Noise:
 class Comparison:
     """Variants measured side by side in interleaved rounds, with a verdict per pair.
 
-    ``speedup(a, b)`` is a number only when no other work competed with the run and the per-image
-    p10-p90 ranges of the two variants lie apart (at least 25% apart where a variant's repeats spread
-    widely); otherwise it is None and ``verdict(a, b)`` says why.
+    ``speedup(a, b)`` is a number only when no other work competed with the run, each variant has at
+    least ``MIN_TIMED`` timed calls, and the per-image p10-p90 ranges of the two variants lie apart (at
+    least 25% apart where a variant's repeats spread widely); otherwise it is None and ``verdict(a, b)``
+    says why.
     """
 
     def __init__(self, measurements: list[Measurement], noise: Noise, baseline: int = 0, rounds: int = 0):
@@ -663,6 +769,10 @@ class Comparison:
         slow_p10, fast_p90 = (a_lo, b_hi) if a_lo > b_hi else (b_lo, a_hi)
         return slow_p10 < (1 + NOISY_SPREAD) * fast_p90
 
+    def too_few(self, a: Measurement | str, b: Measurement | str | None = None) -> bool:
+        """Whether ``a`` or ``b`` has fewer than ``MIN_TIMED`` timed calls: too few for a range to be a spread."""
+        return min(self._m(a).iters, self._m(b).iters) < MIN_TIMED
+
     def speedup(self, a: Measurement | str, b: Measurement | str | None = None) -> float | None:
         """Throughput of ``a`` over ``b`` (default: the baseline), or None when noise hides it.
 
@@ -674,7 +784,8 @@ class Comparison:
         a, b = self._m(a), self._m(b)
         if a is b:
             return 1.0
-        if self.noise.busy or not self.separated(a, b) or self.too_close_for_the_spread(a, b):
+        if (self.noise.busy or self.too_few(a, b) or not self.separated(a, b)
+                or self.too_close_for_the_spread(a, b)):
             return None
         return a.images_per_s / b.images_per_s
 
@@ -684,6 +795,9 @@ class Comparison:
             return "baseline"
         if self.noise.busy:
             return "not compared: too noisy (see the warning)"
+        if self.too_few(a, b):
+            return (f"not compared with {b.name}: {min(a.iters, b.iters)} timed call(s), too few for a spread "
+                    f"(a ratio needs {MIN_TIMED} or more of each)")
         if self.too_close_for_the_spread(a, b):
             return (f"not compared with {b.name}: the repeats spread widely and the two ranges lie less than "
                     f"{NOISY_SPREAD:.0%} apart (see the warning)")
@@ -697,6 +811,8 @@ class Comparison:
         r = self.speedup(a, b)
         if r is not None:
             return f"{r:.2f}x"
+        if self.too_few(a, b) and not self.noise.busy:
+            return "too few repeats"
         return "noisy" if self.noise.busy or self.too_close_for_the_spread(a, b) else "no measurable difference"
 
     def best(self) -> tuple[Measurement, list[Measurement]]:
@@ -712,6 +828,9 @@ class Comparison:
             return f"**{best.name}** is the fastest, and its range separates from every other variant's."
         if self.noise.busy:
             return f"**{best.name}** had the highest median throughput (img/s), but the run was too noisy to call a winner."
+        if any(self.too_few(m, best) for m in ties):
+            return (f"**{best.name}** had the highest median throughput (img/s), but with fewer than {MIN_TIMED} timed "
+                    "calls per variant there is no spread to call a winner by.")
         return (f"**{best.name}** had the highest median throughput (img/s), but it cannot be told apart from "
                 + ", ".join(f"**{m.name}**" for m in ties) + " at this noise level.")
 
@@ -758,7 +877,8 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
        work competed and the two ranges separate by more than the noise explains.
 
     Memory: on CUDA the peak allocated (reserved for CUDA-graph steps) over the variant's own
-    rounds; on CPU the bytes saved for backward (:func:`saved_tensor_bytes`).
+    rounds, less what the rest of the process held (the other variants' trainers: :func:`held_by_others`),
+    so each row is its step as if alone; on CPU the bytes saved for backward (:func:`saved_tensor_bytes`).
     """
     from tqdm.auto import tqdm
 
@@ -801,8 +921,9 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
                     if graphs[v.name]:
                         torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
+                    others = held_by_others(v.fn, v.args, {}, device)  # the other variants' trainers, above all
                     times[v.name] += _cuda_times(v.fn, v.args, {}, iters, device)
-                    got = cuda_peak_memory(device, graphs[v.name])
+                    got = cuda_peak_memory(device, graphs[v.name], others)
                     if v.name not in peak or got[0] > peak[v.name][0]:
                         peak[v.name] = got
                 else:
@@ -933,7 +1054,8 @@ def memory_column(measurements: Sequence[Measurement]) -> str:
 def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.DataFrame":
     """The Summary table every notebook ends with: variant, ms/step, img/s, speedup over
     ``measurements[baseline]`` (a ratio of two measurements of this run), memory (named by what was measured:
-    :func:`memory_column`), MFU with the peak it divides by, device."""
+    :func:`memory_column`), MFU with the peak it divides by (no MFU column where every row ran on a CPU: there is
+    no peak to divide by), device."""
     import pandas as pd
 
     base = measurements[baseline]
@@ -948,15 +1070,19 @@ def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.Dat
             "speedup": f"{m.images_per_s / base.images_per_s:.2f}x",
             memory: None if m.peak_memory_bytes is None else round(m.peak_memory_bytes / 2**20),
             "TFLOP/s": None if m.tflops is None else round(m.tflops, 3),
+            # a CPU has no peak to divide by: no column of "n/a" where every row ran on one (dropped below)
             "MFU": (f"{100 * m.mfu:.1f}% of {m.peak}" if m.mfu is not None else
-                    "n/a on CPU" if m.device.startswith("cpu") else (m.note or "n/a")),
+                    None if m.device.startswith("cpu") else (m.note or "n/a")),
             "MFU vs bf16 peak": None if m.mfu_bf16 is None else f"{100 * m.mfu_bf16:.1f}%",
             "memory measured": m.memory_kind,
             "device": m.device_name,
         })
         if m.reserved_bytes is not None:  # CUDA: what the caching allocator held, beside the live-tensor peak
             rows[-1]["reserved (MiB)"] = round(m.reserved_bytes / 2**20)
-    return readable(pd.DataFrame(rows), drop_empty=("MFU vs bf16 peak",))
+    df = pd.DataFrame(rows)
+    if memory == MEMORY_COLUMNS[1]:  # the column's name already says what every row measured
+        df = df.drop(columns="memory measured")
+    return readable(df, drop_empty=("MFU", "MFU vs bf16 peak"))
 
 
 NOT_AVAILABLE = "n/a"

@@ -188,7 +188,7 @@ def test_measure_takes_the_precision_from_the_trainer_and_refuses_to_guess(tmp_p
     assert m.precision == "bf16"
     table = bench.summary_table([m, bench.measure(lambda: t.train_step(x), batch_size=1, warmup=1, iters=1)])
     # A CPU has no peak: no column of blanks for the bf16 MFU, and no None/NaN cell (the FLOP-less row says n/a).
-    assert "MFU vs bf16 peak" not in table.columns
+    assert "MFU vs bf16 peak" not in table.columns and "MFU" not in table.columns  # not a column of "n/a on CPU"
     assert not table.isna().any().any()
     assert table["TFLOP/s"].iloc[1] == bench.NOT_AVAILABLE and isinstance(table["TFLOP/s"].iloc[0], float)
     assert table["ms/step"].dtype.kind == "f"  # columns with nothing missing keep their dtype
@@ -210,6 +210,51 @@ def test_cuda_graph_steps_report_the_memory_their_pools_hold(monkeypatch):
     import functools  # bench_peers hands its steps over as partials of the trainer's method: seen through too
 
     assert bench._uses_cuda_graphs(functools.partial(bound)) is True and bench._precision_of(functools.partial(bound)) == "bf16"
+
+
+def test_owned_bytes_counts_what_a_step_holds_and_not_the_other_trainers(tmp_path):
+    """A step's own tensors: its trainer's weights, gradients, Adam moments, EMA and its batch, however the step is
+    handed over (bound method, partial, closure, a notebook's function naming globals); never another trainer's."""
+    import functools
+
+    from ddpm_core.memory import fixed_state
+
+    t = build(tiny_config(tmp_path))
+    x = torch.rand(4, 3, 32, 32) * 2 - 1
+    t.train_step(x)  # gradients and optimizer state exist after one step
+    other = build(tiny_config(tmp_path))
+    other.train_step(x)
+    state = int(fixed_state(t)["measured"].sum())
+    own = bench.owned_bytes(t.train_step, (x,), device="cpu")
+    assert state + x.nbytes <= own < 1.05 * (state + x.nbytes)  # plus the diffusion schedule's buffers
+    closure = (lambda tr: (lambda: tr.train_step(x)))(t)
+    assert bench.owned_bytes(functools.partial(t.train_step, x)) == bench.owned_bytes(closure) == own
+    scope: dict = {"trainer": t, "batch": x, "other": other}
+    exec("def step():\n    trainer.train_step(batch)", scope)  # a notebook cell's function: its names are globals
+    assert bench.owned_bytes(scope["step"], device="cpu") == own
+    assert bench.owned_bytes(t.train_step, (x,), device="cuda") == 0  # only tensors on the device asked for
+
+
+def test_cuda_memory_leaves_out_what_the_rest_of_the_process_holds(monkeypatch, tmp_path):
+    """On a GPU the allocator's peak counts every live tensor: the other trainers a notebook keeps are subtracted,
+    so each row is its step as if alone, and the column says so."""
+    t = build(tiny_config(tmp_path))
+    x = torch.rand(4, 3, 32, 32) * 2 - 1
+    t.train_step(x)
+    own = bench.owned_bytes(t.train_step, (x,))
+    monkeypatch.setattr(bench, "owned_bytes", lambda fn, args=(), kwargs=None, device=None: own)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: own + 3 * 2**30)  # 3 GiB of others
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: own + 3 * 2**30 + 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 8 * 2**30)
+    dev = torch.device("cuda:0")
+    others = bench.held_by_others(t.train_step, (x,), {}, dev)
+    assert others == 3 * 2**30
+    peak, reserved, kind = bench.cuda_peak_memory(dev, cuda_graphs=False, others=others)
+    assert peak == own + 2**20 and reserved == 8 * 2**30 and kind == "peak allocated (CUDA, this step alone)"
+    peak, _, kind = bench.cuda_peak_memory(dev, cuda_graphs=True, others=others)
+    assert peak == 5 * 2**30 and "CUDA-graph" in kind and "alone" in kind
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: own // 2)  # nothing else is live
+    assert bench.held_by_others(t.train_step, (x,), {}, dev) == 0
 
 
 # ------------------------------------------------------------------------------ the comparison protocol
@@ -238,6 +283,19 @@ def _fake(name, ms, spread=0.02, batch=8):
 
 def _quiet(*ms):
     return bench.Noise(cores=2, load_1min=0.5, other_cpu_share=0.0, spreads={m.name: 0.04 for m in ms})
+
+
+def test_no_ratio_from_fewer_timed_calls_than_make_a_spread():
+    """One timed call has a range of zero width, two a range of their distance: 112.3-112.3 ms "separated" from
+    anything. A ratio needs MIN_TIMED calls of each variant; the verdict, the table cell and the winner say why not."""
+    base = bench._measurement("base", torch.device("cpu"), 8, 100, [100.0, 100.1], None, "n/a", None, None, "fp32")
+    fast = bench._measurement("fast", torch.device("cpu"), 8, 50, [50.0, 50.1], None, "n/a", None, None, "fp32")
+    c = bench.Comparison([base, fast], _quiet(base, fast))
+    assert c.separated("fast") and c.speedup("fast") is None
+    assert "2 timed call(s), too few" in c.verdict("fast") and c.factor("fast") == "too few repeats"
+    assert "no spread to call a winner" in c.best_sentence()
+    three = _fake("fast3", 50)
+    assert bench.Comparison([_fake("base", 100), three], _quiet(three)).speedup("fast3") == pytest.approx(2.0, rel=1e-6)
 
 
 def test_a_ratio_is_stated_only_when_the_ranges_separate():
@@ -363,6 +421,8 @@ def test_summary_table_names_what_memory_it_shows_and_adds_reserved_on_cuda():
                                None, "fp32")
     t = bench.summary_table([saved, saved])
     assert "peak memory (MiB)" not in t.columns and t["saved for backward (MiB)"].iloc[0] == 1
+    assert "memory measured" not in t.columns  # the column's name says it; on a GPU the kind stays (CUDA graphs)
+    assert "memory measured" in bench.summary_table([gpu]).columns
     assert "memory (MiB)" in bench.summary_table([saved, gpu]).columns  # a mix: "memory measured" tells them apart
     assert all(c in bench.MEMORY_COLUMNS for c in ("peak memory (MiB)", "saved for backward (MiB)", "memory (MiB)"))
 
