@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import re
 import textwrap
 from pathlib import Path
@@ -148,10 +149,11 @@ class _PlainLogFormatter(matplotlib.ticker.LogFormatterSciNotation):
 
 
 def plain_log_ticks(fig: "plt.Figure") -> "plt.Figure":
-    """Log-scaled axes of ``fig`` labelled 300 and 0.9, not 3×10² and 9×10⁻¹; powers of two as 4, 8, 16, not 2²."""
+    """Log-scaled axes of ``fig`` labelled 300 and 0.9, not 3×10² and 9×10⁻¹; powers of two as 4, 8, 16, not 2².
+    An axis whose ticks were already labelled one by one (:func:`log_ticks`) keeps its labels."""
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
-            if axis.get_scale() != "log":
+            if axis.get_scale() != "log" or isinstance(axis.get_major_formatter(), matplotlib.ticker.FixedFormatter):
                 continue
             base = axis.get_transform().base
             axis.set_major_formatter(_PlainLogFormatter(base=base))
@@ -243,45 +245,66 @@ def throughput_bars(df, *, label: str | None = None, x: str = "variant", y: str 
     return fig
 
 
+def _mib(df, column: str):
+    """A memory column of a sweep in MiB, whatever unit its name says (``*_bytes``, ``*_gib``, else MiB)."""
+    if column.endswith("bytes"):
+        return df[column] / 2**20
+    if column.endswith("gib"):
+        return df[column] * 1024
+    return df[column]
+
+
 def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: str = "images_per_s",
-                     memory: str = "peak_memory_gib", step_time: str = "median_ms",
+                     memory: str = "peak_memory_bytes", step_time: str = "median_ms",
                      title: str = "Throughput, step time and memory vs batch size", ideal: bool = False) -> "plt.Figure":
-    """Left: ``y`` against batch size (log2 axis) with peak memory on a second axis and, with
-    ``ideal``, the linear scaling from the smallest batch (dashed grey: what throughput would be if
-    a k-times bigger batch took no longer per step). Right: time per step against batch size."""
+    """Left: ``y`` against batch size (log2 axis) with the memory on a second axis, in MiB (the unit of the
+    series' tables; from ``memory``, else a ``peak_memory_gib`` column). Right: time per step against batch
+    size (log-log) and, with ``ideal``, two references from the smallest batch: its step time held constant
+    (dotted grey: ideal scaling, throughput growing with the batch) and its step time growing in proportion to
+    the batch (dash-dot grey: throughput staying where it was). A measured point between the two gained
+    throughput; one on or above the proportional line did not. Both references span the measured batches, so
+    they stay inside the axes (a linear-scaling line on the throughput axis left it after the first bend)."""
     set_style()
     panels = 2 if step_time in df else 1
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
     ax = axes[0][0]
     df = df.sort_values(x)
     ax.plot(df[x], df[y], marker="o", color="C0", label="images / s")
-    if ideal and len(df) > 1:
-        x0, y0 = df[x].iloc[0], df[y].iloc[0]
-        ax.plot(df[x], y0 * df[x] / x0, ls=":", color="C7", label="ideal (linear from the smallest batch)")
-        ax.set_ylim(0, 1.15 * df[y].max())  # the ideal line leaves the chart where the measured one bends
+    ax.set_ylim(0, 1.15 * df[y].max())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("images / s", color="C0")
-    if memory in df and df[memory].notna().any():
+    if memory not in df and "peak_memory_gib" in df:
+        memory = "peak_memory_gib"
+    has_memory = memory in df and df[memory].notna().any()
+    if has_memory:
         ax2 = ax.twinx()
         kind = df["memory_kind"].dropna().iloc[0] if "memory_kind" in df and df["memory_kind"].notna().any() else ""
         mem_name = "saved for backward" if "saved for backward" in kind else "peak memory"
-        ax2.plot(df[x], df[memory], marker="s", ls="--", color="C1", label=mem_name)
-        ax2.set_ylabel(textwrap.fill(f"memory (GiB): {kind}", 30) if kind else "peak memory (GiB)", color="C1")
+        ax2.plot(df[x], _mib(df, memory), marker="s", ls="--", color="C1", label=mem_name)
+        ax2.set_ylabel(textwrap.fill(f"memory (MiB): {kind}", 30) if kind else "peak memory (MiB)", color="C1")
+        ax2.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))  # 40,000 MiB, as the tables
         ax2.grid(False)
     handles = [h for a in [ax] + fig.axes[panels:] for h in a.get_lines() if not h.get_label().startswith("_")]
-    if len(handles) > 1:  # below the axes: inside, it sat on the ideal line (which starts in the upper-left corner)
+    if len(handles) > 1:  # below the axes, where it covers no point
         legend_below(ax, handles=handles, labels=[h.get_label() for h in handles], fontsize=8, ncol=min(len(handles), 2))
-    ax.set_title("throughput (solid)" + (f" and {mem_name} (dashed)" if memory in df and df[memory].notna().any() else ""),
-                 fontsize=9)
+    ax.set_title("throughput (solid)" + (f" and {mem_name} (dashed)" if has_memory else ""), fontsize=9)
     if panels == 2:
         axt = axes[0][1]
-        axt.plot(df[x], df[step_time], marker="o", color="C2")
+        axt.plot(df[x], df[step_time], marker="o", color="C2", label="measured (median)")
+        if ideal and len(df) > 1:
+            x0, t0 = df[x].iloc[0], df[step_time].iloc[0]
+            axt.plot(df[x], [t0] * len(df), ls=":", color="C7",
+                     label=f"ideal: batch {x0:g}'s time per step (throughput grows with the batch)")
+            axt.plot(df[x], t0 * df[x] / x0, ls="-.", color="C7",
+                     label=f"time in proportion to the batch from batch {x0:g} (no throughput gain)")
         axt.set_xscale("log", base=2)
         axt.set_yscale("log")
         axt.set_xlabel("batch size")
         axt.set_ylabel("ms per step")
         axt.set_title("time per step", fontsize=9)
+        if ideal and len(df) > 1:
+            legend_below(axt, fontsize=8, ncol=1)
     return _suptitle(fig, title, label)
 
 
@@ -554,7 +577,8 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
                      textcoords="offset points", va="center", fontsize=8)
     ax2.set_xlim(0, max(mib.max(), 1) * 1.35)
     kind = rows["memory_kind"].iloc[0] if "memory_kind" in rows else ""
-    ax2.set_xlabel(f"peak memory (MiB; {kind})" if kind else "peak memory (MiB)")
+    ax2.set_xlabel("saved for backward (MiB)" if "saved for backward" in kind else
+                   f"peak memory (MiB; {kind})" if kind else "peak memory (MiB)")
     if "saved for backward" in kind:
         ax2.set_title("CPU: activations saved for the backward pass\n(the part of a step's memory that batch, precision and attention change)", fontsize=8)
     for a in (ax, ax2):
@@ -762,9 +786,7 @@ def quality_band(result, *, label: str | None = None,
     if len(unjudged):
         ax.axvspan(band["step"].min(), unjudged.max(), color="C7", alpha=0.12, lw=0, label="warm-up, not judged")
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 0.2, 0.3, 0.5, 1: plain numbers
-    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    log_ticks(ax)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"loss (rolling mean of {result.window} steps)" if result.window > 1 else "loss (not smoothed)")
     legend_below(ax, fontsize=8, ncol=2)  # off the curves
@@ -791,6 +813,18 @@ def quality_band(result, *, label: str | None = None,
         verdict = f"{'passed' if result.passed else 'FAILED'}: inside the band at {100 * result.inside:.0f}% of judged steps"
     head = f"{title}\n{steps} steps x batch {batch} per run; {verdict}"
     return _suptitle(fig, head, label if label is not None else result.label)
+
+
+def log_ticks(ax, axis: str = "y") -> None:
+    """Label a log axis at 1, 2, 3 and 5 times the powers of ten inside its limits, as plain numbers (0.2, 0.3,
+    0.5, 1), with no minor ticks: every gridline gets a label, also on a range of less than one decade."""
+    lo, hi = sorted(ax.get_ylim() if axis == "y" else ax.get_xlim())
+    ticks = [k * 10.0**e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+             for k in (1, 2, 3, 5) if lo <= k * 10.0**e <= hi]
+    which = ax.yaxis if axis == "y" else ax.xaxis
+    which.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    which.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{t:g}" for t in ticks]))
+    which.set_minor_locator(matplotlib.ticker.NullLocator())
 
 
 # ------------------------------------------------------------------------------ the fastest step (notebook 09b)

@@ -104,6 +104,39 @@ def test_every_plot_function_writes_a_png(figures):
     _saved(plots.image_grid_figure(torch.rand(4, 3, 32, 32) * 2 - 1, title=label), "t_grid.png", figures)
 
 
+def test_the_batch_sweep_draws_its_references_inside_the_axes_and_memory_in_mib():
+    # a sweep whose throughput bends after the first doubling: a linear-scaling line on the throughput axis left it
+    sweep = pd.DataFrame({"batch_size": [4, 8, 16, 32], "images_per_s": [42.4, 52.3, 58.0, 51.7],
+                          "median_ms": [94.4, 153.1, 276.0, 619.1], "peak_memory_bytes": [36 * 2**20, 71 * 2**20,
+                                                                                          141 * 2**20, 282 * 2**20],
+                          "memory_kind": ["saved for backward (CPU)"] * 4})
+    fig = plots.batch_size_lines(sweep, label="t", ideal=True)
+    thr, time_ax, mem = fig.axes
+    assert "MiB" in mem.get_ylabel() and mem.get_ylim()[1] > 282  # the tables' unit, not GiB
+    refs = [ln for ln in time_ax.get_lines() if ln.get_color() == "C7"]
+    assert len(refs) == 2
+    lo, hi = time_ax.get_ylim()
+    for ln in refs:  # each reference is drawn over every measured batch, inside the axes
+        assert list(ln.get_xdata()) == [4, 8, 16, 32] and lo <= min(ln.get_ydata()) and max(ln.get_ydata()) <= hi
+    assert max(ln.get_ydata()[-1] for ln in refs) == pytest.approx(94.4 * 8)  # time in proportion to the batch
+    assert thr.get_ylim()[1] >= 58.0
+    plots.plt.close(fig)
+
+
+def test_every_gridline_of_a_log_axis_set_by_log_ticks_keeps_its_label():
+    # 09b's quality figure: a loss axis of less than two decades had a gridline at 0.5 with no label, because the
+    # figure's title step (plain_log_ticks) replaced log_ticks' labels with matplotlib's choice of which to label
+    fig, ax = plots.plt.subplots()
+    ax.plot([1, 30], [1.02, 0.34])
+    ax.set_yscale("log")
+    plots.log_ticks(ax)
+    plots._suptitle(fig, "t", "test machine")
+    fig.canvas.draw()
+    ticks, labels = ax.get_yticks(), [t.get_text() for t in ax.get_yticklabels()]
+    assert list(ticks) == pytest.approx([0.5, 1.0]) and labels == ["0.5", "1"]
+    plots.plt.close(fig)
+
+
 def test_savefig_never_writes_to_the_repo_figures_when_the_env_is_set(figures):
     from ddpm_core.paths import REPO_ROOT
 
