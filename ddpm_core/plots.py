@@ -161,6 +161,13 @@ def plain_log_ticks(fig: "plt.Figure") -> "plt.Figure":
     return fig
 
 
+def titled(fig: "plt.Figure", title: str, label: str | None = None, fontsize: int = 10) -> "plt.Figure":
+    """A figure made in a notebook cell, finished like the series' own charts: ``title`` with the machine's label
+    (``label``, else this machine) on a second line, plain log ticks, and a layout that keeps the panel titles
+    clear of it."""
+    return _suptitle(fig, title, label, fontsize)
+
+
 def _suptitle(fig: "plt.Figure", title: str, label: str | None, fontsize: int = 10) -> "plt.Figure":
     fig.suptitle(f"{title}\n{_resolve(label)}", fontsize=fontsize)
     plain_log_ticks(fig)

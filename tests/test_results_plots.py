@@ -102,6 +102,13 @@ def test_every_plot_function_writes_a_png(figures):
     scaling = pd.DataFrame({"world_size": [1, 2, 4], "images_per_s": [100, 190, 350]})
     _saved(plots.scaling_efficiency(scaling, label=label), "t_scaling.png", figures)
     _saved(plots.image_grid_figure(torch.rand(4, 3, 32, 32) * 2 - 1, title=label), "t_grid.png", figures)
+    fig, axes = plots.plt.subplots(1, 2)  # a notebook's own figure: its panel titles stay under the figure's title
+    axes[0].set_title("panel")
+    plots.titled(fig, "a notebook's figure", label)
+    fig.canvas.draw()
+    assert axes[0].title.get_window_extent().y1 < fig._suptitle.get_window_extent().y0
+    assert fig._suptitle.get_text() == f"a notebook's figure\n{label}"
+    _saved(fig, "t_titled.png", figures)
 
 
 def test_the_batch_sweep_draws_its_references_inside_the_axes_and_memory_in_mib():
