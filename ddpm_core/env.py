@@ -55,7 +55,7 @@ def cpu_bf16() -> tuple[bool, str]:
         return True, f"This CPU ({capability}) has bf16 instructions: bf16 autocast runs on fast oneDNN kernels."
     return False, (f"This CPU ({capability}) has no bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions fall back "
                    "to slow generic kernels (aten::_slow_conv2d_forward), so expect a bf16 step to be much slower "
-                   "than fp32 here (notebook 06 measures by how much). On a GPU (Ampere or newer) bf16 runs on tensor cores.")
+                   "than fp32 here. On a GPU (Ampere or newer) bf16 runs on tensor cores.")
 
 
 MEMORY_CAP_ENV = "DDPM_GPU_MEMORY_GB"

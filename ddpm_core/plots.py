@@ -555,6 +555,9 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
     kind = micro["memory_kind"].dropna().iloc[0] if "memory_kind" in micro and micro["memory_kind"].notna().any() else ""
     for a, what in ((axes[1], "ms, forward + backward"), (axes[2], textwrap.fill(f"memory (MiB): {kind}", 30) if kind else "peak memory (MiB)")):
         a.set_xlabel("sequence length N (tokens = H x W)")
+        lengths = sorted(micro["seq_len"].unique())  # ticks at the measured lengths (256, 1024), not at 300 and 1000
+        a.set_xticks(lengths, [f"{n:g}" for n in lengths])
+        a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         a.set_ylabel(what)
         a.legend(fontsize=8)
     axes[1].set_title("attention alone: time", fontsize=9)
@@ -620,7 +623,7 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
                                      zip(names, diff["calls before"], diff["calls after"])], fontsize=8)
     ax.axvline(0, color="k", lw=0.8)
     ax.invert_yaxis()
-    ax.set_xlabel("time change in one step (ms; negative = saved)" + (
+    ax.set_xlabel("time change in one step (ms; negative = less time in this row)" + (
         "\ninclusive times: a row contains the rows it calls, so nested rows count the same time twice" if inclusive
         else "\nkernels: each row is GPU time of its own"), fontsize=9)
     _title(ax, title, label)
@@ -749,8 +752,9 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
                 ls="-" if precision == "fp32" else "--", label=f"{world} process{'es' if world > 1 else ''}, {precision}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    log_ticks(ax)  # labelled gridlines, not a crammed column of minor-tick labels
     ax.set_xlabel("batch size per process")
-    ax.set_ylabel(f"seconds per epoch ({images:,} images)")
+    ax.set_ylabel(f"seconds per epoch ({images:,} images)", fontsize=9)
     legend_below(ax, fontsize=8, ncol=2)  # inside, it covered the last point of a line
     _title(ax, title, label)
     fig.tight_layout()
@@ -824,13 +828,27 @@ def quality_band(result, *, label: str | None = None,
 
 def log_ticks(ax, axis: str = "y") -> None:
     """Label a log axis at 1, 2, 3 and 5 times the powers of ten inside its limits, as plain numbers (0.2, 0.3,
-    0.5, 1), with no minor ticks: every gridline gets a label, also on a range of less than one decade."""
+    0.5, 1, 2,000), with no minor ticks: every gridline gets a label, also on a range of less than one decade. Where
+    fewer than three of those fall inside the limits, at finer multiples (1.5, 2.5, 4, 6, 8 as well); where fewer
+    than two of those do, at round numbers spaced evenly in value, the axis widened to the first outside the data."""
     lo, hi = sorted(ax.get_ylim() if axis == "y" else ax.get_xlim())
-    ticks = [k * 10.0**e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
-             for k in (1, 2, 3, 5) if lo <= k * 10.0**e <= hi]
+    def multiples(ks):
+        return [k * 10.0**e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+                for k in ks if lo <= k * 10.0**e <= hi]
+
+    ticks = multiples((1, 2, 3, 5))
+    if len(ticks) < 3:  # less than a decade: finer steps (1,500, 2,000, 2,500, 3,000 for 1,270-3,300 s)
+        ticks = multiples((1, 1.5, 2, 2.5, 3, 4, 5, 6, 8))
+    if len(ticks) < 2:  # a very narrow range (1,100-1,400): round numbers instead (1,100, 1,200, ...), the axis
+        # widened to the first of them outside the data on each side, so that no point lies beyond the last label
+        vals = [float(t) for t in matplotlib.ticker.MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi) if t > 0]
+        lo = max([t for t in vals if t <= lo], default=lo)
+        hi = min([t for t in vals if t >= hi], default=hi)
+        ticks = [t for t in vals if lo <= t <= hi]
+        (ax.set_ylim if axis == "y" else ax.set_xlim)(lo, hi)
     which = ax.yaxis if axis == "y" else ax.xaxis
     which.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
-    which.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{t:g}" for t in ticks]))
+    which.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{t:,.0f}" if t >= 1000 else f"{t:g}" for t in ticks]))
     which.set_minor_locator(matplotlib.ticker.NullLocator())
 
 

@@ -140,8 +140,21 @@ def test_every_gridline_of_a_log_axis_set_by_log_ticks_keeps_its_label():
     plots._suptitle(fig, "t", "test machine")
     fig.canvas.draw()
     ticks, labels = ax.get_yticks(), [t.get_text() for t in ax.get_yticklabels()]
-    assert list(ticks) == pytest.approx([0.5, 1.0]) and labels == ["0.5", "1"]
+    assert list(ticks) == pytest.approx([0.4, 0.5, 0.6, 0.8, 1.0]) and labels == ["0.4", "0.5", "0.6", "0.8", "1"]
     plots.plt.close(fig)
+    # 08's epoch times, 1,057 to 2,574 s: one 1-2-3-5 multiple (2,000) in range, and the figure had a crammed column
+    # of minor labels instead; now finer multiples. A range narrower still gets round numbers, the axis widened to them
+    for seconds, labels, lim in (((2250, 2574, 1150, 1057), ["1,500", "2,000", "2,500"], None),
+                                 ((1150, 1200, 1250, 1300), ["1,100", "1,150", "1,200", "1,250", "1,300", "1,350"],
+                                  (1100, 1350))):
+        df = pd.DataFrame({"world_size": [1, 1, 2, 2], "precision": ["fp32"] * 4, "batch_per_process": [4, 8, 4, 8],
+                           "images_per_s": [50_000 / s for s in seconds]})
+        fig = plots.epoch_time_vs_batch(df, label="test machine")
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.get_yticklabels()] == labels
+        assert lim is None or ax.get_ylim() == pytest.approx(lim)
+        plots.plt.close(fig)
 
 
 def test_savefig_never_writes_to_the_repo_figures_when_the_env_is_set(figures):
@@ -289,3 +302,6 @@ def test_the_sdpa_figure_labels_each_pair_as_its_comparison_does():
                           "median_ms": [1.0, 4.0, 0.8, 2.0], "peak_memory_mib": [1.0, 16.0, 0.5, 2.0]})
     fig = plots.sdpa_figure(rows, micro, label="t", comparison=cmp, versus={"sdpa (fp32)": "math (fp32)"})
     assert {"313.2 ms", "300.7 ms (within noise)"} <= set(_texts(fig))
+    fig.canvas.draw()
+    for ax in fig.axes[1:]:  # the attention-alone panels: ticks at the measured lengths only
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "256"]
