@@ -437,10 +437,14 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-def held_by_others(fn: Callable[..., Any], args: tuple, kwargs: dict | None, device: torch.device) -> int:
-    """Bytes allocated on ``device`` right now that ``fn`` does not hold (:func:`owned_bytes`): other trainers,
-    leftovers of earlier cells. Call it after the stats reset, before the timed calls."""
-    return max(0, torch.cuda.memory_allocated(device) - owned_bytes(fn, args, kwargs, device))
+def held_by_others(fn: Callable[..., Any], args: tuple, kwargs: dict | None, device: torch.device,
+                   owned: int | None = None) -> int:
+    """Bytes allocated on ``device`` right now that ``fn`` does not hold (:func:`owned_bytes`, or ``owned`` where the
+    caller walked it once already): other trainers, leftovers of earlier cells. Call it after the stats reset,
+    before the timed calls."""
+    if owned is None:
+        owned = owned_bytes(fn, args, kwargs, device)
+    return max(0, torch.cuda.memory_allocated(device) - owned)
 
 
 def measure(
@@ -914,6 +918,8 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
         bar.update(warmup)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     peak: dict[str, tuple[int, int, str]] = {}
+    # what each step holds is set once it has run (weights, Adam state, EMA, batch): walk it once, not every round
+    owned = {v.name: owned_bytes(v.fn, v.args, {}, device) for v in variants} if cuda else {}
     with CpuLoad() as load:
         for r in range(rounds):
             for v in (variants if r % 2 == 0 else variants[::-1]):
@@ -921,7 +927,7 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
                     if graphs[v.name]:
                         torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
-                    others = held_by_others(v.fn, v.args, {}, device)  # the other variants' trainers, above all
+                    others = held_by_others(v.fn, v.args, {}, device, owned[v.name])  # the other variants' trainers
                     times[v.name] += _cuda_times(v.fn, v.args, {}, iters, device)
                     got = cuda_peak_memory(device, graphs[v.name], others)
                     if v.name not in peak or got[0] > peak[v.name][0]:
