@@ -2,7 +2,7 @@
 # One command of the reference run on a bare GPU machine (python3 with torch, no network), e.g. through the
 # device tool, with .whl/ (scripts/gpu_wheels.sh) carried beside the repo:
 #
-#   bash scripts/gpu_call.sh meta gpu-tests nb-00-01     # full mode: these parts, resumable
+#   bash scripts/gpu_call.sh meta gpu-tests nb-00-01     # full mode: these parts, resumable, past a failed one
 #   bash scripts/gpu_call.sh --shakedown                 # every notebook in smoke mode on the GPU, past failures
 #
 # It installs the wheels into /tmp/site, runs the parts under a deadline (DEADLINE_S, default 560 s: a device
@@ -59,7 +59,7 @@ if [ "${1:-}" = "--shakedown" ]; then
   tar -czf "$OUT/shakedown.tar.gz" -C "$(dirname "$shake")" "$(basename "$shake")/parts.json" \
     "$(basename "$shake")/notebooks" $( [ -f "$shake/tests.log" ] && echo "$(basename "$shake")/tests.log")
 else
-  timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --full --archive-to "$OUT" --parts "$@" 2>&1 \
+  timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --full --keep-going --archive-to "$OUT" --parts "$@" 2>&1 \
     | tee "$OUT/run.log"
   rc=${PIPESTATUS[0]}
 fi
