@@ -20,7 +20,8 @@ Layout of one reference folder::
 
     meta.json          GPU name and memory, driver, CUDA, cuDNN, torch, python, date, git commit, mode
     parts.json         each part's status, wall seconds and error
-    tests.log          the output of the ``gpu``-marked tests (pytest -m gpu)
+    tests.log          the output of the ``gpu``-marked tests that are not ``slow`` (pytest -m "gpu and not slow")
+    tests-slow.log     the output of the ``gpu`` and ``slow`` ones: those that compile (CUDA graphs, max-autotune)
     results.csv        every notebook's measurement rows (columns: see data/README.md)
     notebooks/         the executed notebooks, with their outputs
     figures/           the figures of the run, titled with its device
@@ -66,7 +67,10 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
     "nb-09b": ["09b"],  # the peers (diffusers, lucidrains: their wheels, scripts/gpu_wheels.sh), the ceiling, the quality runs
     "nb-10": ["10"],
 }
-PARTS = ["meta", "gpu-tests", *NOTEBOOK_PARTS, "pack"]
+# The gpu tests in two parts: on the H100 (2026-11-26) one cold reduce-overhead compile of the tiny model took 55 s
+# and the max-autotune test ran past 160 s, so all of them together do not fit one part.
+GPU_TEST_PARTS = {"gpu-tests": ("gpu and not slow", "tests.log"), "gpu-tests-slow": ("gpu and slow", "tests-slow.log")}
+PARTS = ["meta", *GPU_TEST_PARTS, *NOTEBOOK_PARTS, "pack"]
 NO_REFERENCE = ("No reference GPU run is committed in data/reference/ yet: run `make reference` on a GPU "
                 "machine (README, 'Reference run').")
 RESULT_COLUMNS = [("variant", "variant"), ("batch_size", "batch"), ("precision", "precision"),
@@ -241,6 +245,54 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
     return True
 
 
+# A line of a reference notebook's own output that the README quotes under its status table (so that the README's
+# GPU sentences are the run's printed words, never retyped): notebook -> a regular expression for the line.
+HEADLINES = {"01_build_the_ddpm": r"^fastest eager configuration: .* per step on average.*$"}
+
+
+def headlines(folder: Path) -> dict[str, str]:
+    """The HEADLINES lines that the executed notebooks in ``folder`` printed, by notebook."""
+    found = {}
+    for name, pattern in HEADLINES.items():
+        path = Path(folder) / "notebooks" / f"{name}.ipynb"
+        if not path.exists():
+            continue
+        for cell in json.loads(path.read_text())["cells"]:
+            text = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+            if hit := re.search(pattern, text, flags=re.M):
+                found[name] = hit.group(0).strip()
+                break
+    return found
+
+
+def status_markdown(root: Path | None = None) -> str:
+    """Where each committed reference run stands, as the README shows it: one table per run, a row per part
+    (status and wall time from parts.json), written by ``python -m ddpm_core.reference status``."""
+    runs = [f for f in reference_runs(root) if meta(f).get("mode") == "full"]
+    if not runs:
+        return NO_REFERENCE
+    blocks = []
+    for folder in runs:
+        m = meta(folder)
+        status = json.loads((folder / "parts.json").read_text()) if (folder / "parts.json").exists() else {}
+        lines = [f"**{m.get('device_name', folder.name)}**, torch {m.get('torch_version', '?')}, CUDA "
+                 f"{m.get('cuda_version', '?')}, started {str(m.get('date', '?'))[:10]}, commit "
+                 f"`{str(m.get('git_commit') or '?')[:7]}` (`data/reference/{folder.name}/`):", "",
+                 "| part | status | wall time | notebooks |", "|---|---|---|---|"]
+        for part in PARTS:
+            v = status.get(part)
+            if not isinstance(v, dict):
+                lines.append(f"| {part} | not run yet | | |")
+                continue
+            secs = f"{v['seconds']:.0f} s" if "seconds" in v else ""
+            nbs = ", ".join(f"{n.split('_')[0]} {t:.0f} s" for n, t in v.get("notebooks", {}).items())
+            lines.append(f"| {part} | {v.get('status', '?')} | {secs} | {nbs} |")
+        for name, line in headlines(folder).items():
+            lines += ["", f"{name.split('_')[0]} printed: *{line}*"]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 # ------------------------------------------------------------------------------ traces
 def trim_trace(src: Path, dst: Path, steps: int = TRACE_STEPS) -> dict[str, int]:
     """Copy a profiler trace keeping its first ``steps`` ProfilerStep windows.
@@ -326,9 +378,11 @@ def _part_meta(out: Path, smoke: bool) -> None:
         "cuda_version": torch.version.cuda,
         "cudnn_version": torch.backends.cudnn.version() if cuda else None,
         "python_version": platform.python_version(),
-        # a device machine gets a copy of the working tree without .git: the command names the commit
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("DDPM_GIT_COMMIT", ""),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # a device machine gets a copy of the working tree whose .git (if any) need not be the commit that
+        # travelled (the H100 run of 2026-11-26 found the session's first commit there): the command names it
+        "git_commit": os.environ.get("DDPM_GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        # unknown where the command names the commit: commit before the call, so that the tree is that commit
+        "git_dirty": None if os.environ.get("DDPM_GIT_COMMIT") else bool(_git("status", "--porcelain", "--untracked-files=no")),
         "cpu_cores": os.cpu_count(),
     }
     if cuda:
@@ -345,17 +399,18 @@ def _part_meta(out: Path, smoke: bool) -> None:
     (out / "meta.json").write_text(json.dumps(info, indent=1))
 
 
-def _part_gpu_tests(out: Path, smoke: bool) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rs", "--durations=10", "-p", "no:cacheprovider", "tests"]
-    path = out / "tests.log"
+def _part_gpu_tests(out: Path, smoke: bool, part: str = "gpu-tests") -> dict:
+    marker, log_name = GPU_TEST_PARTS[part]
+    cmd = [sys.executable, "-m", "pytest", "-m", marker, "-v", "-rs", "--durations=10", "-p", "no:cacheprovider", "tests"]
+    path = out / log_name
     with open(path, "w") as f:  # written as it goes: a command stopped at its limit still shows how far it got
-        f.write(f"$ {' '.join(cmd[2:])}\n")
+        f.write(f"$ {' '.join(cmd[2:4])} '{marker}' {' '.join(cmd[5:])}\n")
         f.flush()
         proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=PART_BUDGET_S)
     log = path.read_text()
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", log)}
     if proc.returncode not in (0, 5) or counts.get("failed") or counts.get("error") or counts.get("errors"):
-        raise RuntimeError(f"gpu tests failed (exit {proc.returncode}, {counts}); see {out / 'tests.log'}")
+        raise RuntimeError(f"gpu tests failed (exit {proc.returncode}, {counts}); see {path}")
     return counts
 
 
@@ -514,7 +569,7 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
 
     actions: dict[str, Callable[[], Any]] = {
         "meta": lambda: _part_meta(out, smoke),
-        "gpu-tests": lambda: _part_gpu_tests(out, smoke),
+        **{name: (lambda name=name: _part_gpu_tests(out, smoke, name)) for name in GPU_TEST_PARTS},
         **{name: (lambda pre=pre: notebook_part(pre)) for name, pre in NOTEBOOK_PARTS.items()},
         "pack": lambda: _part_pack(out, smoke),
     }
@@ -597,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--keep-going", action="store_true", help="after a part fails, run the others (exit 1 at the end)")
     r.add_argument("--archive-to", default=None, metavar="DIR",
                    help="after every part, pack the folder into DIR/<name>.tar.gz (e.g. $OUT on a device machine)")
+    sub.add_parser("status", help="print where each committed full reference run stands (the README's table)")
     k = sub.add_parser("pack", help="pack a reference folder into <folder>.tar.gz")
     k.add_argument("folder")
     u = sub.add_parser("unpack", help="extract a reference archive into data/reference and figures/")
@@ -607,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
             smoke = True if args.smoke else (False if args.full else None)
             run(args.out, smoke=smoke, parts=args.parts, force=args.force, notebooks=args.notebooks,
                 keep_going=args.keep_going, archive_to=Path(args.archive_to) if args.archive_to else None)
+        elif args.cmd == "status":
+            print(status_markdown())
         elif args.cmd == "pack":
             print(pack(Path(args.folder)))
         else:

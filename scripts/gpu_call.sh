@@ -50,14 +50,14 @@ left=$(( ${DEADLINE_S:-560} - ($(date +%s) - start) ))
 if [ "${1:-}" = "--shakedown" ]; then
   shift
   parts=("$@")
-  [ ${#parts[@]} -gt 0 ] || parts=(nb-00-01 nb-02 nb-03 nb-04 nb-05-06 nb-07-08 nb-09 nb-09b nb-10 gpu-tests)
+  [ ${#parts[@]} -gt 0 ] || parts=(nb-00-01 nb-02 nb-03 nb-04 nb-05-06 nb-07-08 nb-09 nb-09b nb-10 gpu-tests gpu-tests-slow)
   shake=${SHAKEDOWN_DIR:-/tmp/shakedown}
   timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --smoke --keep-going --out "$shake" \
     --parts "${parts[@]}" 2>&1 | tee "$OUT/run.log"
   rc=${PIPESTATUS[0]}
   # the executed notebooks (with their tracebacks) and parts.json: what a shakedown is read for
   tar -czf "$OUT/shakedown.tar.gz" -C "$(dirname "$shake")" "$(basename "$shake")/parts.json" \
-    "$(basename "$shake")/notebooks" $( [ -f "$shake/tests.log" ] && echo "$(basename "$shake")/tests.log")
+    "$(basename "$shake")/notebooks" $(cd "$(dirname "$shake")" && ls "$(basename "$shake")"/tests*.log 2>/dev/null)
 else
   timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --full --keep-going --archive-to "$OUT" --parts "$@" 2>&1 \
     | tee "$OUT/run.log"

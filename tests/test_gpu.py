@@ -285,6 +285,7 @@ def test_one_process_nccl_ddp_step_matches_the_plain_step(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # compiles (reduce-overhead): the reference runs it in its gpu-tests-slow part
 def test_compare_on_cuda_interleaves_an_eager_and_a_cuda_graph_step_and_reports_their_memory(tmp_path):
     """bench.compare with a reduce-overhead trainer beside an eager one: interleaving two CUDA-graph
     trees' worth of calls must not re-record or crash, and each variant reports its own memory."""

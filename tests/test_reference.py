@@ -322,6 +322,19 @@ def test_meta_names_the_commit_from_the_environment_where_the_copy_has_no_git(tm
     assert reference.meta(tmp_path)["git_commit"] == "0123456789abcdef"
 
 
+def test_meta_prefers_the_named_commit_over_a_git_folder_at_another_commit(tmp_path, monkeypatch):
+    """The H100's copy of the tree held a .git at the session's first commit, not at the one that travelled."""
+    monkeypatch.setattr(reference, "_git", lambda *a: "ff80671414537a1125a76f49c59d33c014edcc12" if "rev-parse" in a else " M x")
+    monkeypatch.setenv("DDPM_GIT_COMMIT", "d7132134a1e60b8e1fffd7bc4b86350758f83bc3")
+    reference._part_meta(tmp_path, smoke=True)
+    m = reference.meta(tmp_path)
+    assert m["git_commit"] == "d7132134a1e60b8e1fffd7bc4b86350758f83bc3"
+    assert m["git_dirty"] is None  # that stale .git cannot say whether the tree that ran was clean
+    monkeypatch.delenv("DDPM_GIT_COMMIT")
+    reference._part_meta(tmp_path, smoke=True)
+    assert reference.meta(tmp_path)["git_commit"].startswith("ff80671") and reference.meta(tmp_path)["git_dirty"] is True
+
+
 def test_a_reference_that_has_not_reached_a_notebook_says_so_and_shows_nothing_for_it(tmp_path, monkeypatch):
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(getattr(obj, "data", obj)))
@@ -387,3 +400,41 @@ def test_gpu_call_shakedown_goes_on_past_a_failing_notebook_and_returns_the_exec
     with tarfile.open(tmp_path / "OUT" / "shakedown.tar.gz") as tar:
         executed = nbformat.reads(tar.extractfile("shake/notebooks/00_setup.ipynb").read().decode(), as_version=4)
     assert any(o.get("ename") == "RuntimeError" for c in executed.cells for o in c.get("outputs", []))
+
+
+def test_the_readme_shows_where_each_committed_reference_run_stands():
+    """The README's status block is `python -m ddpm_core.reference status`: rerun it after committing a part."""
+    text = (series.REPO_ROOT / "README.md").read_text()
+    block = text.split("<!-- reference-status -->\n", 1)[1].split("<!-- /reference-status -->", 1)[0]
+    assert block.strip() == reference.status_markdown().strip(), (
+        "README's reference status is stale. Fix: paste the output of `python -m ddpm_core.reference status` "
+        "between its <!-- reference-status --> markers.")
+
+
+def test_status_lists_every_part_and_quotes_the_lines_the_notebooks_printed(tmp_path):
+    folder = tmp_path / "h100-80gb-hbm3"
+    (folder / "notebooks").mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "mode": "full",
+                                                  "torch_version": "2.11.0+cu130", "git_commit": "abcdef0123"}))
+    (folder / "parts.json").write_text(json.dumps({"_mode": "full", "meta": {"status": "done", "seconds": 0.1},
+                                                   "nb-00-01": {"status": "done", "seconds": 507,
+                                                                "notebooks": {"00_setup": 34.3, "01_build_the_ddpm": 471.3}},
+                                                   "gpu-tests": {"status": "failed", "seconds": 12, "error": "x"}}))
+    line = "fastest eager configuration: 10 steps on x in 1.0 s: 100 ms per step on average, data loading included"
+    nb = {"cells": [{"cell_type": "code", "outputs": [{"output_type": "stream", "name": "stdout",
+                                                      "text": ["dataset: x\n", line + "\n"]}]}]}
+    (folder / "notebooks" / "01_build_the_ddpm.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "cpu-smoke").mkdir()  # a smoke stand-in is not a reference run's status
+    (tmp_path / "cpu-smoke" / "meta.json").write_text(json.dumps({"mode": "smoke"}))
+    md = reference.status_markdown(tmp_path)
+    assert "`abcdef0`" in md and "cpu-smoke" not in md
+    assert "| nb-00-01 | done | 507 s | 00 34 s, 01 471 s |" in md and "| gpu-tests | failed | 12 s |" in md
+    assert all(f"| {p} |" in md for p in reference.PARTS) and "| nb-09 | not run yet |" in md
+    assert f"01 printed: *{line}*" in md
+    assert reference.status_markdown(tmp_path / "none") == reference.NO_REFERENCE
+
+
+def test_the_gpu_tests_go_in_two_parts_that_together_select_every_gpu_test():
+    assert {m for m, _ in reference.GPU_TEST_PARTS.values()} == {"gpu and not slow", "gpu and slow"}
+    assert len({log for _, log in reference.GPU_TEST_PARTS.values()}) == 2
+    assert reference.PARTS[:3] == ["meta", "gpu-tests", "gpu-tests-slow"]
