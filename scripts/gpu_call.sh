@@ -11,10 +11,55 @@
 # notebooks' archive. Back here: `python -m ddpm_core.reference unpack <archive>` (full mode only; a
 # shakedown's archive is for reading, never for data/reference), then commit data/reference/<gpu>/ and figures/.
 # The next command (or session) carries the committed folder and goes on from the first part not done.
-# The copy of the repo there has no .git: start the command with DDPM_GIT_COMMIT=$(git rev-parse HEAD) (its
-# value, written here) so that meta.json names the commit the run measured.
+# The copy of the repo there may hold no .git, or one at another commit: start the command with
+# DDPM_GIT_COMMIT=$(git rev-parse HEAD) (its value, written here, after committing) so that meta.json names the
+# commit the run measured.
+#
+# One device command stops at 600 s, but a machine stays warm for a while after it, and a process that started its
+# own session (setsid) runs on until the machine goes back. So a session's whole device time can go to one run
+# longer than a command, in two back-to-back commands (the second within the machine's warm time):
+#
+#   bash scripts/gpu_call.sh --detach PART...    # starts the run in its own session (deadline RUN_DEADLINE_S,
+#                                                # default 780 s), follows it for ATTACH_S (540 s), copies to $OUT
+#   bash scripts/gpu_call.sh --attach            # follows the same run until it ends or ATTACH_S, copies to $OUT
+#
+# A detached run gives each notebook the run's whole deadline (DDPM_PART_BUDGET_S), for notebooks longer than one
+# command (04's max-autotune, 09's compiled stages).
 set -uo pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
+BG=${BG_DIR:-/tmp/gpu_call_bg}
+follow() {  # wait for the detached run in $BG to end (or ATTACH_S to pass), then copy what it wrote into $OUT
+  local limit=${ATTACH_S:-540} waited=0
+  mkdir -p "$OUT"
+  while [ ! -f "$BG/exit" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
+  cp "$BG"/out/* "$OUT"/ 2>/dev/null
+  tail -n 30 "$BG/out/run.log" 2>/dev/null
+  if [ -f "$BG/exit" ]; then
+    echo "gpu_call: the detached run ended (exit $(cat "$BG/exit")); in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+    exit "$(cat "$BG/exit")"
+  fi
+  echo "gpu_call: the detached run goes on; follow it with 'bash scripts/gpu_call.sh --attach' (in \$OUT so far:" \
+       "$(ls "$OUT" | tr '\n' ' '))"
+  exit 0
+}
+if [ "${1:-}" = "--attach" ]; then
+  OUT=${OUT:-/tmp/gpu_call_out}
+  [ -d "$BG/out" ] || { echo "gpu_call --attach: no detached run on this machine ($BG): it starts bare after being" \
+                          "given back, so --attach must follow --detach while the machine is still warm" >&2; exit 4; }
+  follow
+fi
+if [ "${1:-}" = "--detach" ]; then
+  shift
+  [ $# -gt 0 ] || { echo "gpu_call --detach: name the parts to run" >&2; exit 2; }
+  OUT=${OUT:-/tmp/gpu_call_out}
+  rm -rf "$BG" && mkdir -p "$BG/out"
+  OUT="$BG/out" DEADLINE_S=${RUN_DEADLINE_S:-780} DDPM_PART_BUDGET_S=${DDPM_PART_BUDGET_S:-${RUN_DEADLINE_S:-780}} \
+    GPU_CALL_BG="$BG" setsid nohup bash -c 'bash "$0" "$@" > "$GPU_CALL_BG/out/console.log" 2>&1; echo $? > "$GPU_CALL_BG/exit"' \
+    "$SELF" "$@" < /dev/null > /dev/null 2>&1 &
+  echo "gpu_call: detached run of $* started (its log: $BG/out/run.log)"
+  follow
+fi
 if [ $# -eq 0 ]; then  # checked before anything is installed or run
   echo "gpu_call: name the parts to run, e.g. 'bash scripts/gpu_call.sh meta gpu-tests nb-02' (parts: python -m" \
        "ddpm_core.reference run --help), or '--shakedown' for every notebook in smoke mode" >&2

@@ -438,3 +438,31 @@ def test_the_gpu_tests_go_in_two_parts_that_together_select_every_gpu_test():
     assert {m for m, _ in reference.GPU_TEST_PARTS.values()} == {"gpu and not slow", "gpu and slow"}
     assert len({log for _, log in reference.GPU_TEST_PARTS.values()}) == 2
     assert reference.PARTS[:3] == ["meta", "gpu-tests", "gpu-tests-slow"]
+
+
+def test_gpu_call_detach_runs_on_past_its_command_and_attach_collects_what_it_wrote(tmp_path):
+    """A run longer than one device command: --detach starts it in its own session and returns when ATTACH_S runs
+    out; --attach (the next command, while the machine is warm) follows it to the end and copies it into $OUT."""
+    import shutil
+
+    script = series.REPO_ROOT / "scripts" / "gpu_call.sh"
+    env = {**os.environ, "DDPM_REFERENCE_DIR": str(tmp_path / "reference"), "BG_DIR": str(tmp_path / "bg"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "WHEELS": str(tmp_path / "no-wheels")}
+    if not shutil.which("python3", path=env["PATH"]):
+        pytest.skip("no python3 on PATH")
+
+    def call(*args, out, attach_s):
+        return subprocess.run(["bash", str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                              env={**env, "OUT": str(tmp_path / out), "ATTACH_S": str(attach_s)})
+
+    first = call("--detach", "meta", out="OUT1", attach_s=0)  # returns at once: the run goes on without it
+    assert first.returncode == 0 and "the detached run goes on" in first.stdout, first.stdout + first.stderr
+    second = call("--attach", out="OUT2", attach_s=120)
+    assert second.returncode == 0 and "the detached run ended (exit 0)" in second.stdout, second.stdout + second.stderr
+    with tarfile.open(tmp_path / "OUT2" / "cpu-full.tar.gz") as tar:
+        assert "cpu-full/meta.json" in tar.getnames()
+    assert "[meta] done" in (tmp_path / "OUT2" / "run.log").read_text()
+    assert "budget 780 s per part" in (tmp_path / "OUT2" / "run.log").read_text()  # each part gets the run's deadline
+    shutil.rmtree(tmp_path / "bg")
+    lost = call("--attach", out="OUT3", attach_s=5)
+    assert lost.returncode == 4 and "no detached run on this machine" in lost.stderr
