@@ -287,6 +287,16 @@ def test_a_loss_curve_lying_on_an_earlier_one_says_so_in_the_legend():
     assert labels == ["adam (lr 0.001)", "adamw (lr 0.001), on top of adam", "sgd (lr 0.05)"]
 
 
+def test_the_smoothed_loss_does_not_lag_the_raw_curve():
+    """A drop at step 150 shows in the smoothed line at step 150, not half a window later."""
+    points = [(i, 1.0 if i < 150 else 0.01) for i in range(1, 301)]
+    fig = plots.loss_curves({"run": points}, smooth=30)
+    x, y = fig.axes[0].lines[1].get_data()
+    smoothed = dict(zip(x, y))
+    assert smoothed[170] == pytest.approx(0.01) and smoothed[130] == pytest.approx(1.0)
+    assert 0.3 < smoothed[150] < 0.7  # the middle of the drop, where the raw curve drops
+
+
 def test_the_waterfall_prints_no_ratio_where_the_comparison_states_none():
     stages = pd.DataFrame({"stage": ["base", "+ a", "+ b", "+ c"], "images_per_s": [30.0, 31.5, 60.0, 58.0]})
     fig = plots.waterfall(stages, label="t", separated=[True, False, True, False],
