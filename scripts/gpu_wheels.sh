@@ -19,11 +19,14 @@ TORCHVISION=${TORCHVISION:-}
 NAMES="HolisticTraceAnalysis plotly narwhals pydot pyparsing papermill nbclient nbformat jupyter_client jupyter_core
 ipykernel ipython ipython_pygments_lexers traitlets comm debugpy tenacity entrypoints pyzmq tornado fastjsonschema
 jsonschema jsonschema-specifications referencing rpds-py attrs click PyYAML requests charset-normalizer idna urllib3
-certifi decorator jedi parso pexpect ptyprocess prompt_toolkit wcwidth Pygments stack-data executing asttokens
+certifi decorator pexpect ptyprocess prompt_toolkit wcwidth Pygments stack-data executing asttokens
 pure_eval matplotlib-inline nest-asyncio2 platformdirs python-dateutil tqdm psutil
-ipywidgets widgetsnbextension jupyterlab_widgets packaging typing_extensions six
+ipywidgets jupyterlab_widgets packaging typing_extensions six
 diffusers huggingface_hub safetensors filelock regex httpx2 httpcore2 anyio h11 truststore
 denoising-diffusion-pytorch accelerate einops ema-pytorch defusedxml"
+# Left out, because a headless kernel runs without them (the smoke series ran so here, in a venv without them) and
+# they are 12.6 MB of a carry limited to 64 MB, which the committed reference folder grows into: jedi and parso
+# (IPython's completer), debugpy (ipykernel's debugger), widgetsnbextension (the classic notebook's widgets).
 # The peers of notebook 09b (bench_peers) above are about 9 MB. denoising-diffusion-pytorch also imports
 # scipy (35 MB), which would take the carry past its 64 MB: it is added only with PEERS_SCIPY=1, for a
 # GPU machine whose python lacks scipy (check there first: python3 -c "import scipy"). Without it,
