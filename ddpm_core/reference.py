@@ -267,6 +267,62 @@ def headlines(folder: Path) -> dict[str, str]:
     return found
 
 
+STAGES_NOTEBOOK = "09_putting_it_together"
+
+
+def stages_markdown(folder: Path) -> str:
+    """The README's GPU table: notebook 09's stages from a reference's results.csv ("" before 09 has run there).
+
+    Each stage's img/s is compared with the first stage's by the rules of ``bench.Comparison.speedup`` that a
+    results row can apply: at least ``MIN_TIMED`` timed calls each, per-image p10-p90 step times that do not
+    overlap, and, where either spread by more than ``NOISY_SPREAD`` of its median, ranges that far apart; otherwise
+    the cell says "noisy", as 09's table does. (The machine's load, the one rule a row cannot replay, is 09's own to report.)"""
+    from .bench import MIN_TIMED, NOISY_SPREAD
+
+    rows = results(folder, STAGES_NOTEBOOK)
+    if not len(rows):
+        return ""
+    rows = rows.reset_index(drop=True)
+    base = rows.iloc[0]
+
+    def per_image(r, q):
+        return float(r[q]) / float(r["batch_size"])
+
+    def wide(r):
+        return (float(r["p90_ms"]) - float(r["p10_ms"])) / float(r["median_ms"]) > NOISY_SPREAD
+
+    def stated(r) -> bool:
+        if min(int(r.get("iters", MIN_TIMED)), int(base.get("iters", MIN_TIMED))) < MIN_TIMED:
+            return False
+        (a_lo, a_hi), (b_lo, b_hi) = ((per_image(x, "p10_ms"), per_image(x, "p90_ms")) for x in (r, base))
+        if not (a_hi < b_lo or b_hi < a_lo):
+            return False
+        slow_p10, fast_p90 = (a_lo, b_hi) if a_lo > b_hi else (b_lo, a_hi)
+        return not ((wide(r) or wide(base)) and slow_p10 < (1 + NOISY_SPREAD) * fast_p90)
+
+    lines = ["| stage | batch | precision | ms/step (p10-p90) | img/s | img/s vs the first stage | TFLOP/s | MFU | "
+             "peak memory (GiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    for i, r in rows.iterrows():
+        if i == 0:
+            ratio = "1.00x"
+        elif stated(r):
+            ratio = f"{float(r['images_per_s']) / float(base['images_per_s']):.2f}x"
+        else:
+            ratio = "noisy"  # the word 09's own table uses (bench.Comparison.factor)
+        mfu = f"{100 * float(r['mfu']):.1f}%" if "mfu" in r and r["mfu"] == r["mfu"] else "n/a"
+        mem = f"{float(r['peak_memory_gib']):.2f}" if "peak_memory_gib" in r and r["peak_memory_gib"] == r["peak_memory_gib"] else "n/a"
+        lines.append(f"| {r['variant']} | {int(r['batch_size'])} | {r['precision']} | {float(r['median_ms']):.1f} "
+                     f"({float(r['p10_ms']):.1f}-{float(r['p90_ms']):.1f}) | {float(r['images_per_s']):,.0f} | {ratio} | "
+                     f"{float(r['tflops']):.1f} | {mfu} | {mem} |")
+    peaks = sorted({str(p) for p in rows.get("peak", []) if p == p and str(p)})
+    kinds = sorted({str(k) for k in rows.get("memory_kind", []) if k == k and str(k)})
+    notes = [f"MFU against {', '.join(peaks)}, by the stage's precision." if peaks else "No MFU: no datasheet peak for this device.",
+             f"Memory: {'; '.join(kinds)}." if kinds else ""]
+    return (f"Notebook 09's stages on {base.get('device_name', '?')} (from `results.csv`; a ratio only where the "
+            f"per-image p10-p90 step times of the stage and the first stage lie apart, as in the notebook):\n\n"
+            + "\n".join(lines) + "\n\n" + " ".join(n for n in notes if n))
+
+
 def status_markdown(root: Path | None = None) -> str:
     """Where each committed reference run stands, as the README shows it: one table per run, a row per part
     (status and wall time from parts.json), written by ``python -m ddpm_core.reference status``."""
@@ -291,6 +347,8 @@ def status_markdown(root: Path | None = None) -> str:
             lines.append(f"| {part} | {v.get('status', '?')} | {secs} | {nbs} |")
         for name, line in headlines(folder).items():
             lines += ["", f"{name.split('_')[0]} printed: *{line}*"]
+        if stages := stages_markdown(folder):
+            lines += ["", stages]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

@@ -467,3 +467,31 @@ def test_gpu_call_detach_runs_on_past_its_command_and_attach_collects_what_it_wr
     shutil.rmtree(tmp_path / "bg")
     lost = call("--attach", out="OUT3", attach_s=5)
     assert lost.returncode == 4 and "no detached run on this machine" in lost.stderr
+
+
+def test_the_readme_gpu_table_states_a_stage_ratio_only_where_09_would(tmp_path):
+    """Notebook 09's stages from results.csv, a ratio where the per-image ranges lie apart (as bench.Comparison)."""
+    folder = tmp_path / "h100-80gb-hbm3"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "mode": "full"}))
+    row = dict(notebook="09_putting_it_together", device_name="NVIDIA H100 80GB HBM3", precision="bf16", iters=10,
+               tflops=100.0, mfu=0.101, peak="H100 SXM bf16 dense peak 989.4 TFLOP/s", peak_memory_gib=10.0,
+               memory_kind="peak allocated (CUDA)")
+    stages = [  # name, batch, median, p10, p90
+        ("baseline", 128, 100.0, 99.0, 101.0),
+        ("+ apart", 128, 50.0, 49.0, 51.0),        # 2.00x: the ranges lie far apart
+        ("+ overlapping", 128, 99.5, 98.0, 100.5),  # overlaps the baseline's range
+        ("+ wide, close", 128, 90.0, 70.0, 98.5),   # apart, but it spread 31% and lies under 25% from the baseline
+        ("+ too few calls", 128, 50.0, 49.0, 51.0),
+    ]
+    rows = [{**row, "variant": n, "batch_size": b, "median_ms": m, "p10_ms": lo, "p90_ms": hi,
+             "images_per_s": b / m * 1e3, **({"iters": 2} if n == "+ too few calls" else {})} for n, b, m, lo, hi in stages]
+    pd.DataFrame(rows).to_csv(folder / "results.csv", index=False)
+    md = reference.stages_markdown(folder)
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[5] for line in md.splitlines() if line.startswith("| ")}
+    assert cells == {"stage": "img/s vs the first stage", "baseline": "1.00x", "+ apart": "2.00x",
+                     "+ overlapping": "noisy", "+ wide, close": "noisy", "+ too few calls": "noisy"}
+    assert "| 10.1% |" in md and "H100 SXM bf16 dense peak 989.4 TFLOP/s" in md and "peak allocated (CUDA)" in md
+    assert md in reference.status_markdown(tmp_path)
+    (folder / "results.csv").unlink()
+    assert reference.stages_markdown(folder) == ""
