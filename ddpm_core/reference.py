@@ -72,6 +72,9 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
 # and the max-autotune test ran past 160 s, so all of them together do not fit one part.
 GPU_TEST_PARTS = {"gpu-tests": ("gpu and not slow", "tests.log"), "gpu-tests-slow": ("gpu and slow", "tests-slow.log")}
 PARTS = ["meta", *GPU_TEST_PARTS, *NOTEBOOK_PARTS, "pack"]
+SELF_ENV = "DDPM_REFERENCE_SELF"  # set while the reference run executes the notebooks
+IS_REFERENCE = ("This executed copy is the reference run itself: everything above was measured there. "
+                "Copies of this notebook run elsewhere show its numbers in this place.")
 NO_REFERENCE = ("No reference GPU run is committed in data/reference/ yet: run `make reference` on a GPU "
                 "machine (README, 'Reference run').")
 RESULT_COLUMNS = [("variant", "variant"), ("batch_size", "batch"), ("precision", "precision"),
@@ -179,6 +182,9 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
     from . import plots
     from . import traces as tr
 
+    if os.environ.get(SELF_ENV) == "1":  # the H100 run's own copies said "no reference is committed yet"
+        print(IS_REFERENCE)
+        return False
     runs = reference_runs()
     if not runs:
         print(NO_REFERENCE)
@@ -483,8 +489,8 @@ def _env(out: Path) -> dict[str, str]:
     work = out / WORK
     (work / "no-reference").mkdir(parents=True, exist_ok=True)
     return {"DDPM_RUNS_DIR": str(work / "runs"), "DDPM_RESULTS_DIR": str(work / "results"),
-            # the executed notebooks of a reference run ARE the reference: they show no other
-            "DDPM_REFERENCE_DIR": str(work / "no-reference")}
+            # the executed notebooks of a reference run ARE the reference: they show no other, and say so
+            "DDPM_REFERENCE_DIR": str(work / "no-reference"), SELF_ENV: "1"}
 
 
 def _part_notebooks(out: Path, smoke: bool, prefixes: list[str], only: Sequence[str] | None,

@@ -139,8 +139,11 @@ def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | 
     before = {name: (figures / name).stat().st_mtime_ns if (figures / name).exists() else None for name in expected}
     start = time.perf_counter()
     try:
-        # DDPM_HEADLESS: no frontend is attached, so notebooks leave out live widgets (00's slider)
-        with temporary_env({"DDPM_SMOKE": "1" if smoke else "0", "DDPM_FIGURES_DIR": str(figures), "DDPM_HEADLESS": "1"}):
+        # DDPM_HEADLESS: no frontend is attached, so notebooks leave out live widgets (00's slider).
+        # MPLBACKEND: the kernel's own inline backend, whatever the caller's (the H100 run exported Agg for its tests,
+        # and every figure of its executed notebooks was missing: plt.show() under Agg embeds nothing).
+        with temporary_env({"DDPM_SMOKE": "1" if smoke else "0", "DDPM_FIGURES_DIR": str(figures), "DDPM_HEADLESS": "1",
+                            "MPLBACKEND": "module://matplotlib_inline.backend_inline"}):
             pm.execute_notebook(str(notebook), str(executed), parameters=parameters or {}, cwd=str(notebook.parent),
                                 kernel_name="python3", progress_bar=False, execution_timeout=timeout,
                                 # ipykernel >= 7.4 logs a plain-TCP warning at every start; the kernel listens on

@@ -77,7 +77,7 @@ else
   echo "gpu_call: no wheels in $WHEELS/: using the machine's own packages (scripts/gpu_wheels.sh makes the wheels)" >&2
   export PYTHONPATH=$PWD
 fi
-export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+export PYTHONUNBUFFERED=1  # no MPLBACKEND=Agg: the executed notebooks must embed their figures (run_notebook sets inline)
 echo "gpu_call: wheels installed in $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
 python3 - <<'PY' || exit 3

@@ -91,6 +91,15 @@ def test_the_harness_fails_a_notebook_that_skips_a_declared_figure(tmp_path):
     assert json.loads((tmp_path / "out" / "99_probe.ipynb").read_text())["cells"]
 
 
+def test_the_executed_copy_embeds_its_figures_even_where_the_caller_chose_agg(tmp_path, monkeypatch):
+    """The H100 reference run exported MPLBACKEND=Agg, and its executed notebooks held no figure at all."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    src = "import matplotlib.pyplot as plt\nplt.plot([1, 2], [3, 4])\nplt.show()"
+    series.run_notebook(_notebook(tmp_path, src, []), tmp_path / "out", smoke=True, figures=tmp_path / "figs")
+    out = json.loads((tmp_path / "out" / "99_probe.ipynb").read_text())
+    assert any("image/png" in o.get("data", {}) for c in out["cells"] for o in c.get("outputs", []))
+
+
 def test_a_headless_run_tells_the_kernel_so_and_00_leaves_its_live_slider_out(tmp_path):
     """A widget that captures output (00's interact slider) sometimes left papermill waiting forever for
     the cell to end, with the kernel idle (seen in CI; nbclient#312): headless runs leave it out."""

@@ -38,6 +38,8 @@ def test_the_reference_command_writes_a_complete_folder(smoke_reference):
         assert "passed" in (out / log_name).read_text() or "skipped" in (out / log_name).read_text()
     for nb in NOTEBOOKS:
         assert (out / "notebooks" / nb.name).exists(), nb.name
+        # its reference block says it is the reference (the H100's copies said none was committed)
+        assert reference.IS_REFERENCE in (out / "notebooks" / nb.name).read_text(), nb.name
         for fig in series.declared_figures(nb):
             assert (out / "figures" / fig).stat().st_size > 5000, fig
     assert "budget 480 s per part" in log  # the per-part budget line (what it holds on a GPU is the GPU run's)
@@ -137,6 +139,9 @@ def test_without_a_reference_the_block_says_how_to_make_one(tmp_path, monkeypatc
     monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path / "none"))
     assert reference.show("02_profile_the_baseline", traces=["02_baseline"]) is False
     assert "make reference" in capsys.readouterr().out
+    monkeypatch.setenv(reference.SELF_ENV, "1")  # inside the reference run: it is the reference
+    assert reference.show("02_profile_the_baseline", traces=["02_baseline"]) is False
+    assert capsys.readouterr().out.strip() == reference.IS_REFERENCE
 
 
 def test_trim_keeps_the_asked_steps_and_the_kernels_they_launched(tmp_path):
