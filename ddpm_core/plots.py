@@ -476,7 +476,8 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
                 ls=styles[i % len(styles)],  # distinct styles: overlapping curves stay visible
                 label=name if under is None else f"{name}, on top of {under.split(' (')[0]}")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(r"loss $\|\epsilon-\epsilon_\theta\|^2$")
+    # the mean over pixels (the loss starts at E[eps^2] = 1), not the squared norm, which would start at 3072
+    ax.set_ylabel(r"loss: mean of $(\epsilon-\epsilon_\theta)^2$")
     ax.set_yscale("log")
     _title(ax, title, label)
     if len(curves) > 3:  # inside, a legend of many runs sits on some curve wherever it goes: below the axes

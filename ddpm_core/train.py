@@ -787,7 +787,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         )
         result = TrainResult(trainer=t, resumed_from=resumed, dataset=describe_dataset(dataset))
         pending: list[tuple[int, torch.Tensor]] = []
-        bar = tqdm(total=cfg.steps, initial=min(t.step, cfg.steps), desc="training",
+        timed = cfg.max_seconds is not None  # a time budget ends the run: the bar counts seconds, not a far step bound
+        # (the H100's 01 run showed "0% 2870/1000000 [04:01<20:08:42]" under a 240 s budget)
+        bar = tqdm(total=cfg.max_seconds if timed else cfg.steps, initial=0 if timed else min(t.step, cfg.steps),
+                   desc=f"training ({cfg.max_seconds:g} s budget)" if timed else "training", unit="s" if timed else "it",
+                   bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]" if timed else None,
                    disable=not (cfg.progress and rank0), dynamic_ncols=True)
         kill_at = _fault_injection(t.rank)
         start = time.perf_counter()
@@ -796,7 +800,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             loader.set_epoch(epoch, offset)
             for x in loader:
                 pending.append((t.step + 1, t.train_step(x)))
-                bar.update(1)
+                bar.update(min(time.perf_counter() - start, cfg.max_seconds) - bar.n if timed else 1)
                 done = t.step >= cfg.steps
                 if cfg.max_seconds is not None and not done and _past_budget(start, cfg.max_seconds, t.world_size):
                     result.stopped_by_time = done = True
@@ -814,7 +818,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                             "or use bf16 instead of fp16.")
                     result.losses += [(s, v) for (s, _), v in zip(pending, values)]
                     pending.clear()
-                    bar.set_postfix(loss=f"{values[-1]:.4f}", epoch=epoch)
+                    bar.set_postfix(**({"step": f"{t.step:,}"} if timed else {}), loss=f"{values[-1]:.4f}", epoch=epoch)
                 if save:
                     t.save_checkpoint(cfg.out_dir)
                 if t.step == kill_at:

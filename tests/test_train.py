@@ -165,6 +165,13 @@ def test_max_seconds_ends_the_run_after_the_step_that_reaches_it_and_checkpoints
     assert not train(tiny_config(tmp_path / "short", steps=3, max_seconds=600)).stopped_by_time
 
 
+def test_a_time_budget_shows_a_bar_of_seconds_not_of_a_far_step_bound(tmp_path, capsys):
+    train(tiny_config(tmp_path, steps=100_000, max_seconds=1.0, checkpoint_every=100_000, log_every=5, progress=True))
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "training (1 s budget): 100%" in bar and "/1 s [" in bar and "step=" in bar, bar
+    assert "100000" not in bar and "100,000" not in bar
+
+
 def test_resume_across_an_epoch_boundary_with_workers(tmp_path):
     # 40 images / batch 8 = 5 steps per epoch: stop in epoch 0, resume into epoch 1
     kw = dict(num_workers=2, checkpoint_every=4, log_every=1, synthetic_size=40)
