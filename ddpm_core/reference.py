@@ -341,15 +341,16 @@ def status_markdown(root: Path | None = None) -> str:
         lines = [f"**{m.get('device_name', folder.name)}**, torch {m.get('torch_version', '?')}, CUDA "
                  f"{m.get('cuda_version', '?')}, started {str(m.get('date', '?'))[:10]}, commit "
                  f"`{str(m.get('git_commit') or '?')[:7]}` (`data/reference/{folder.name}/`):", "",
-                 "| part | status | wall time | notebooks |", "|---|---|---|---|"]
+                 "| part | status | wall time | notebooks | finished (commit) |", "|---|---|---|---|---|"]
         for part in PARTS:
             v = status.get(part)
             if not isinstance(v, dict):
-                lines.append(f"| {part} | not run yet | | |")
+                lines.append(f"| {part} | not run yet | | | |")
                 continue
             secs = f"{v['seconds']:.0f} s" if "seconds" in v else ""
             nbs = ", ".join(f"{n.split('_')[0]} {t:.0f} s" for n, t in v.get("notebooks", {}).items())
-            lines.append(f"| {part} | {v.get('status', '?')} | {secs} | {nbs} |")
+            when = (f"{v['finished'][:10]} (`{str(v.get('git_commit') or '?')[:7]}`)" if v.get("finished") else "")
+            lines.append(f"| {part} | {v.get('status', '?')} | {secs} | {nbs} | {when} |")
         for name, line in headlines(folder).items():
             lines += ["", f"{name.split('_')[0]} printed: *{line}*"]
         if stages := stages_markdown(folder):
@@ -420,6 +421,10 @@ def default_out(smoke: bool) -> Path:
         return reference_dir() / ("cpu-smoke" if smoke else "cpu-full")
     # a smoke run on a GPU (the shakedown) must never land in, or collide with, that GPU's full reference
     return reference_dir() / (slug(torch.cuda.get_device_name(0)) + ("-smoke" if smoke else ""))
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _git(*args: str) -> str:
@@ -677,7 +682,9 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
             continue
         seconds = time.perf_counter() - start
         total += seconds
-        status[part] = {"status": "done", "seconds": round(seconds, 1), **detail}
+        # a reference made across sessions: each part says when and from which commit (meta.json has the first part's)
+        status[part] = {"status": "done", "seconds": round(seconds, 1), "finished": _now(),
+                        "git_commit": os.environ.get("DDPM_GIT_COMMIT") or _git("rev-parse", "HEAD"), **detail}
         status_path.write_text(json.dumps(status, indent=1))
         _archive_to(out, archive_to)
         over = " OVER BUDGET" if seconds > PART_BUDGET_S else ""

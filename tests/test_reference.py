@@ -319,6 +319,9 @@ def test_gpu_call_runs_its_parts_and_leaves_the_archive_and_the_log_in_OUT(tmp_p
     with tarfile.open(tmp_path / "OUT" / "cpu-full.tar.gz") as tar:
         assert "cpu-full/meta.json" in tar.getnames()
     assert "[meta] done" in (tmp_path / "OUT" / "run.log").read_text()
+    with tarfile.open(tmp_path / "OUT" / "cpu-full.tar.gz") as tar:  # each part says when and from which commit
+        done = json.load(tar.extractfile("cpu-full/parts.json"))["meta"]
+    assert done["finished"][:2] == "20" and "git_commit" in done
 
 
 def test_meta_names_the_commit_from_the_environment_where_the_copy_has_no_git(tmp_path, monkeypatch):
@@ -434,8 +437,12 @@ def test_status_lists_every_part_and_quotes_the_lines_the_notebooks_printed(tmp_
     (tmp_path / "cpu-smoke" / "meta.json").write_text(json.dumps({"mode": "smoke"}))
     md = reference.status_markdown(tmp_path)
     assert "`abcdef0`" in md and "cpu-smoke" not in md
-    assert "| nb-00-01 | done | 507 s | 00 34 s, 01 471 s |" in md and "| gpu-tests | failed | 12 s |" in md
+    assert "| nb-00-01 | done | 507 s | 00 34 s, 01 471 s |  |" in md and "| gpu-tests | failed | 12 s |" in md
     assert all(f"| {p} |" in md for p in reference.PARTS) and "| nb-09 | not run yet |" in md
+    status = json.loads((folder / "parts.json").read_text())
+    status["nb-02"] = {"status": "done", "seconds": 300, "finished": "2026-12-01T10:00:00+00:00", "git_commit": "0123456789"}
+    (folder / "parts.json").write_text(json.dumps(status))
+    assert "| nb-02 | done | 300 s |  | 2026-12-01 (`0123456`) |" in reference.status_markdown(tmp_path)
     assert f"01 printed: *{line}*" in md
     assert reference.status_markdown(tmp_path / "none") == reference.NO_REFERENCE
 
