@@ -140,12 +140,20 @@ def _resolve(label: str | None) -> str:
 
 
 class _PlainLogFormatter(matplotlib.ticker.LogFormatterSciNotation):
-    """matplotlib's choice of which log ticks to label, written 300 and 0.9 (not 3×10², 9×10⁻¹) between 0.001 and
-    100,000, and as powers (10⁻⁴) only beyond."""
+    """matplotlib's choice of which log ticks to label, written 300 and 0.9 (not 3×10², 9×10⁻¹) where every major
+    tick in view lies between 0.001 and 100,000, and all as powers (10⁻⁴, 10⁴) on an axis that reaches beyond: one
+    format per axis (01's SNR axis read "10000, 100, 1, 0.01, 10⁻⁴")."""
+
+    def _plain_axis(self, x: float) -> bool:
+        if self.axis is None:
+            return 1e-3 <= abs(x) < 1e5
+        lo, hi = sorted(self.axis.get_view_interval())
+        ticks = [t for t in self.axis.get_majorticklocs() if lo <= t <= hi and t > 0] or [x]
+        return all(1e-3 <= t < 1e5 for t in ticks)
 
     def __call__(self, x: float, pos: Any = None) -> str:
         text = super().__call__(x, pos)
-        return f"{x:g}" if text and 1e-3 <= abs(x) < 1e5 else text
+        return f"{x:g}" if text and self._plain_axis(x) else text
 
 
 def plain_log_ticks(fig: "plt.Figure") -> "plt.Figure":

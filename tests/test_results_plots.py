@@ -315,3 +315,19 @@ def test_the_sdpa_figure_labels_each_pair_as_its_comparison_does():
     fig.canvas.draw()
     for ax in fig.axes[1:]:  # the attention-alone panels: ticks at the measured lengths only
         assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "256"]
+
+
+def test_a_log_axis_uses_one_tick_format():
+    """Plain numbers on an axis that stays within 0.001-100,000; powers for every tick on one that reaches beyond
+    (01's SNR axis read '10000, 100, 1, 0.01, 10^-4')."""
+    import matplotlib.pyplot as plt
+
+    fig, (wide, narrow) = plt.subplots(1, 2)
+    wide.semilogy([0, 1], [1e-5, 1e4])
+    narrow.semilogy([0, 1], [0.01, 1000])
+    plots.titled(fig, "t", label="x")
+    fig.canvas.draw()
+    labels = {ax: [t.get_text() for t in ax.get_yticklabels() if t.get_text()] for ax in (wide, narrow)}
+    assert labels[wide] and all("10^" in t for t in labels[wide]), labels[wide]
+    assert labels[narrow] and not any("10^" in t for t in labels[narrow]) and "100" in labels[narrow], labels[narrow]
+    plt.close(fig)
