@@ -24,7 +24,8 @@
 #   bash scripts/gpu_call.sh --attach            # follows the same run until it ends or ATTACH_S, copies to $OUT
 #
 # A detached run gives each notebook the run's whole deadline (DDPM_PART_BUDGET_S), for notebooks longer than one
-# command (04's max-autotune, 09's compiled stages).
+# command (04's max-autotune, 09's compiled stages), and works on a copy of the committed reference folder in
+# $BG/reference, outside the repo, which the next command's copy of the working tree would overwrite.
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -53,8 +54,12 @@ if [ "${1:-}" = "--detach" ]; then
   shift
   [ $# -gt 0 ] || { echo "gpu_call --detach: name the parts to run" >&2; exit 2; }
   OUT=${OUT:-/tmp/gpu_call_out}
-  rm -rf "$BG" && mkdir -p "$BG/out"
-  OUT="$BG/out" DEADLINE_S=${RUN_DEADLINE_S:-780} DDPM_PART_BUDGET_S=${DDPM_PART_BUDGET_S:-${RUN_DEADLINE_S:-780}} \
+  rm -rf "$BG" && mkdir -p "$BG/out" "$BG/reference"
+  # The run writes its reference folder outside the repo: the next command re-sends the working tree over the
+  # repo's copy there, and that must not touch what the run is writing (it reads the committed parts to resume).
+  src=${DDPM_REFERENCE_DIR:-data/reference}
+  if [ -d "$src" ]; then cp -a "$src"/. "$BG/reference"/; fi
+  DDPM_REFERENCE_DIR="$BG/reference" OUT="$BG/out" DEADLINE_S=${RUN_DEADLINE_S:-780} DDPM_PART_BUDGET_S=${DDPM_PART_BUDGET_S:-${RUN_DEADLINE_S:-780}} \
     GPU_CALL_BG="$BG" setsid nohup bash -c 'bash "$0" "$@" > "$GPU_CALL_BG/out/console.log" 2>&1; echo $? > "$GPU_CALL_BG/exit"' \
     "$SELF" "$@" < /dev/null > /dev/null 2>&1 &
   echo "gpu_call: detached run of $* started (its log: $BG/out/run.log)"

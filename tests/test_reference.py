@@ -468,6 +468,9 @@ def test_gpu_call_detach_runs_on_past_its_command_and_attach_collects_what_it_wr
         return subprocess.run(["bash", str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=180,
                               env={**env, "OUT": str(tmp_path / out), "ATTACH_S": str(attach_s)})
 
+    committed = tmp_path / "reference" / "cpu-full"  # a committed folder to resume from, copied out of the repo
+    committed.mkdir(parents=True)
+    (committed / "parts.json").write_text(json.dumps({"_mode": "full", "nb-10": {"status": "done", "seconds": 1.0}}))
     first = call("--detach", "meta", out="OUT1", attach_s=0)  # returns at once: the run goes on without it
     assert first.returncode == 0 and "the detached run goes on" in first.stdout, first.stdout + first.stderr
     second = call("--attach", out="OUT2", attach_s=120)
@@ -476,6 +479,9 @@ def test_gpu_call_detach_runs_on_past_its_command_and_attach_collects_what_it_wr
         assert "cpu-full/meta.json" in tar.getnames()
     assert "[meta] done" in (tmp_path / "OUT2" / "run.log").read_text()
     assert "budget 780 s per part" in (tmp_path / "OUT2" / "run.log").read_text()  # each part gets the run's deadline
+    with tarfile.open(tmp_path / "OUT2" / "cpu-full.tar.gz") as tar:  # it resumed the committed folder's copy
+        assert set(json.load(tar.extractfile("cpu-full/parts.json"))) >= {"nb-10", "meta"}
+    assert json.loads((committed / "parts.json").read_text()).keys() == {"_mode", "nb-10"}  # the original is untouched
     shutil.rmtree(tmp_path / "bg")
     lost = call("--attach", out="OUT3", attach_s=5)
     assert lost.returncode == 4 and "no detached run on this machine" in lost.stderr
