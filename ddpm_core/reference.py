@@ -278,11 +278,10 @@ STAGES_NOTEBOOK = "09_putting_it_together"
 def stages_markdown(folder: Path) -> str:
     """The README's GPU table: notebook 09's stages from a reference's results.csv ("" before 09 has run there).
 
-    Each stage's img/s is compared with the first stage's by the rules of ``bench.Comparison.speedup`` that a
-    results row can apply: at least ``MIN_TIMED`` timed calls each, per-image p10-p90 step times that do not
-    overlap, and, where either spread by more than ``NOISY_SPREAD`` of its median, ranges that far apart; otherwise
-    the cell says "noisy", as 09's table does. (The machine's load, the one rule a row cannot replay, is 09's own to report.)"""
-    from .bench import MIN_TIMED, NOISY_SPREAD
+    Each stage's img/s is compared with the first stage's by ``bench.Comparison.speedup`` itself, built from the
+    rows; otherwise the cell says "noisy", as 09's table does. (The machine's load, which a row does not keep, is
+    09's own to report: the rebuilt comparison counts the machine as quiet.)"""
+    from .bench import Comparison, Measurement, Noise
 
     rows = results(folder, STAGES_NOTEBOOK)
     if not len(rows):
@@ -290,34 +289,24 @@ def stages_markdown(folder: Path) -> str:
     rows = rows.reset_index(drop=True)
     base = rows.iloc[0]
 
-    def per_image(r, q):
-        return float(r[q]) / float(r["batch_size"])
+    def measurement(r) -> Measurement:
+        v = r.get("iters")
+        return Measurement(name=str(r["variant"]), device=str(r.get("device", "")), device_name=str(r.get("device_name", "")),
+                           torch_version=str(r.get("torch_version", "")), batch_size=int(r["batch_size"]),
+                           iters=int(v) if v == v and v is not None else 10**6,  # no column: not held to MIN_TIMED
+                           first_ms=float("nan"), median_ms=float(r["median_ms"]), p10_ms=float(r["p10_ms"]),
+                           p90_ms=float(r["p90_ms"]), images_per_s=float(r["images_per_s"]), peak_memory_bytes=None,
+                           memory_kind="")
 
-    def wide(r):
-        return (float(r["p90_ms"]) - float(r["p10_ms"])) / float(r["median_ms"]) > NOISY_SPREAD
-
-    def iters(r) -> float:  # a row without the column (or with it empty) is not held to it
-        v = r.get("iters", MIN_TIMED)
-        return MIN_TIMED if v != v else float(v)
-
-    def stated(r) -> bool:
-        if min(iters(r), iters(base)) < MIN_TIMED:
-            return False
-        (a_lo, a_hi), (b_lo, b_hi) = ((per_image(x, "p10_ms"), per_image(x, "p90_ms")) for x in (r, base))
-        if not (a_hi < b_lo or b_hi < a_lo):
-            return False
-        slow_p10, fast_p90 = (a_lo, b_hi) if a_lo > b_hi else (b_lo, a_hi)
-        return not ((wide(r) or wide(base)) and slow_p10 < (1 + NOISY_SPREAD) * fast_p90)
+    ms = [measurement(r) for _, r in rows.iterrows()]
+    spreads = {m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in ms}
+    cmp = Comparison(ms, Noise(cores=1, load_1min=0.0, other_cpu_share=0.0, spreads=spreads, threads=0))
 
     lines = ["| stage | batch | precision | ms/step (p10-p90) | img/s | img/s vs the first stage | TFLOP/s | MFU | "
              "peak memory (GiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for i, r in rows.iterrows():
-        if i == 0:
-            ratio = "1.00x"
-        elif stated(r):
-            ratio = f"{float(r['images_per_s']) / float(base['images_per_s']):.2f}x"
-        else:
-            ratio = "noisy"  # the word 09's own table uses (bench.Comparison.factor)
+        fold = cmp.speedup(ms[i])
+        ratio = "noisy" if fold is None else f"{fold:.2f}x"  # "noisy": the word 09's own table uses
         mfu = f"{100 * float(r['mfu']):.1f}%" if "mfu" in r and r["mfu"] == r["mfu"] else "n/a"
         mem = f"{float(r['peak_memory_gib']):.2f}" if "peak_memory_gib" in r and r["peak_memory_gib"] == r["peak_memory_gib"] else "n/a"
         lines.append(f"| {r['variant']} | {int(r['batch_size'])} | {r['precision']} | {float(r['median_ms']):.1f} "
