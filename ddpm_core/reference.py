@@ -73,8 +73,27 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
 GPU_TEST_PARTS = {"gpu-tests": ("gpu and not slow", "tests.log"), "gpu-tests-slow": ("gpu and slow", "tests-slow.log")}
 PARTS = ["meta", *GPU_TEST_PARTS, *NOTEBOOK_PARTS, "pack"]
 SELF_ENV = "DDPM_REFERENCE_SELF"  # set while the reference run executes the notebooks
-IS_REFERENCE = ("This executed copy is the reference run itself: everything above was measured there. "
-                "Copies of this notebook run elsewhere show its numbers in this place.")
+IS_REFERENCE = "This executed copy is the reference run itself"  # how self_line() begins, whatever the machine
+
+
+def self_line() -> str:
+    """What a notebook's reference block says inside the reference run: it is the reference, made where and how.
+
+    A smoke-mode or GPU-less reference (the test suite's stand-in) says it holds no GPU numbers: its block sits
+    under a heading about the reference GPU, and "everything above was measured there" must not read as a GPU run.
+    """
+    import torch
+
+    from .env import device_name
+
+    where = device_name()
+    if os.environ.get("DDPM_SMOKE") == "1" or not torch.cuda.is_available():
+        mode = "smoke mode" if os.environ.get("DDPM_SMOKE") == "1" else "full mode"
+        return (f"{IS_REFERENCE}, made in {mode} on {where}: a stand-in made without a GPU (the test suite makes "
+                "one), so it shows no GPU numbers. Copies of this notebook run elsewhere show the committed GPU "
+                "reference in this place.")
+    return (f"{IS_REFERENCE}, made in full mode on {where}: everything above was measured there. Copies of this "
+            "notebook run elsewhere show its numbers in this place.")
 NO_REFERENCE = ("No reference GPU run is committed in data/reference/ yet: run `make reference` on a GPU "
                 "machine (README, 'Reference run').")
 RESULT_COLUMNS = [("variant", "variant"), ("batch_size", "batch"), ("precision", "precision"),
@@ -183,7 +202,7 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
     from . import traces as tr
 
     if os.environ.get(SELF_ENV) == "1":  # the H100 run's own copies said "no reference is committed yet"
-        print(IS_REFERENCE)
+        print(self_line())
         return False
     runs = reference_runs()
     if not runs:

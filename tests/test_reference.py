@@ -140,8 +140,11 @@ def test_without_a_reference_the_block_says_how_to_make_one(tmp_path, monkeypatc
     assert reference.show("02_profile_the_baseline", traces=["02_baseline"]) is False
     assert "make reference" in capsys.readouterr().out
     monkeypatch.setenv(reference.SELF_ENV, "1")  # inside the reference run: it is the reference
+    monkeypatch.setenv("DDPM_SMOKE", "1")
     assert reference.show("02_profile_the_baseline", traces=["02_baseline"]) is False
-    assert capsys.readouterr().out.strip() == reference.IS_REFERENCE
+    said = capsys.readouterr().out.strip()
+    assert said == reference.self_line() and said.startswith(reference.IS_REFERENCE)
+    assert "smoke mode" in said and "no GPU numbers" in said  # this CPU run is no GPU reference, and says so
 
 
 def test_trim_keeps_the_asked_steps_and_the_kernels_they_launched(tmp_path):

@@ -257,6 +257,22 @@ def test_a_bar_label_states_a_ratio_only_where_the_comparison_does():
     assert labels[:2] == ["38 (1.00x)", "3 (0.08x)"]
 
 
+def test_the_break_even_line_is_drawn_only_where_the_comparison_states_a_speedup():
+    """04's figure said 'pays off after 26,165 steps' beside a table that said 'never: no measurable speedup'."""
+    quiet = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={})
+    for compiled, says in ((_spread("compiled", 170.0, 160, 185), "no measurable speedup: no break-even"),
+                           (_spread("compiled", 100.0, 98, 102), "pays off after")):
+        cmp = bench.Comparison([_spread("eager", 178.0, 170, 190), compiled], quiet)
+        rows = pd.DataFrame([{**m.row(), "first_ms": f} for m, f in zip(cmp.measurements, (500.0, 90_000.0))])
+        fig = plots.compile_breakeven(rows, label="t", comparison=cmp)
+        texts = _texts(fig)
+        assert any(says in t for t in texts), texts
+        lines = [ln for ln in fig.axes[1].lines if ln.get_linestyle() == ":"]
+        assert len(lines) == (1 if says == "pays off after" else 0)
+        assert any("pays off after" in t for t in _texts(plots.compile_breakeven(rows, label="t")))  # medians alone
+        plots.plt.close("all")
+
+
 def test_mark_noise_drops_ratio_labels_and_puts_its_footer_below_the_axis_label():
     noisy = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={"fp32": 0.34})
     rows = pd.DataFrame([m.row() for m in (_spread("fp32", 210.0, 180, 250), _spread("bf16", 2650.0, 2600, 2750))])
