@@ -121,7 +121,7 @@ KINDS = {
     "BatchNorm2d": "BatchNorm",
     "Dropout": "dropout masks and inputs",
     "Linear": "linear (time embedding)",
-    "SiLU": "SiLU",
+    "SiLU": "SiLU (time-embedding MLP)",  # the only nn.SiLU module; the blocks call F.silu (their own ops)
     "ResBlock": "ResBlock's own ops (SiLU, time-embedding add)",
     "AttnBlock": "attention (scores, softmax, weighted sum)",
     "UNet": "UNet's own ops (skip concat, output SiLU)",
