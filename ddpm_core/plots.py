@@ -232,6 +232,55 @@ def _title(ax, title: str, label: str | None) -> None:
     plain_log_ticks(ax.figure)
 
 
+def _labels_in_view(ax, lines: tuple[float, ...] = (), rounds: int = 6) -> None:
+    """Place the texts drawn on ``ax`` (bar labels, anchored at a data x on a horizontal bar chart whose x axis starts
+    at 0) so that none is crossed by a vertical reference line at one of ``lines`` and none runs past the right edge:
+    a label a line would cross moves to just right of that line, and the x limit is set to where the longest label
+    (or the rightmost line) ends, no further (09's waterfall ran to 1.7 with nothing past 1.12; 09b's peer labels ran
+    past the frame)."""
+    import matplotlib.text
+
+    fig = ax.figure
+    texts = [t for t in ax.texts if t.get_visible() and t.get_text().strip()]
+    if not texts:
+        return
+
+    def anchor(t) -> float:
+        return t.xy[0] if isinstance(t, matplotlib.text.Annotation) else t.get_position()[0]
+
+    def move(t, x: float) -> None:
+        if isinstance(t, matplotlib.text.Annotation):
+            t.xy = (x, t.xy[1])
+        else:
+            t.set_position((x, t.get_position()[1]))
+
+    for _ in range(rounds):  # moving a label or widening the axis moves the others in pixels: repeat until settled
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        changed = False
+        for t in texts:
+            box = t.get_window_extent(renderer)
+            hit = [x for x in lines if box.x0 - 2 <= ax.transData.transform((x, 0))[0] <= box.x1 + 2 and x >= anchor(t)]
+            if hit:  # 3 pixels clear of the line, then the label's own offset
+                move(t, ax.transData.inverted().transform(ax.transData.transform((max(hit), 0)) + (3, 0))[0])
+                changed = True
+        fig.canvas.draw()
+        left, right = ax.get_xlim()
+        width = ax.get_window_extent(renderer).width
+        need = 1.03 * max((*lines, 0.0)) - 0.03 * left
+        for t in texts:
+            # the label ends at a + f * (limit - left), f its width (from its anchor a) as a share of the axes: it fits,
+            # with 2% to spare, where limit - left >= (a - left) / (1 - f - 0.02)
+            a = anchor(t)
+            f = (t.get_window_extent(renderer).x1 - ax.transData.transform((a, 0))[0]) / width
+            need = max(need, left + (a - left) / max(1 - f - 0.02, 0.05))
+        if abs(need - right) > 0.01 * (right - left):
+            ax.set_xlim(left, need)
+            changed = True
+        if not changed:
+            return
+
+
 def _label_bars(ax, bars, fmt: str) -> None:
     for b in bars:
         w = b.get_width()
@@ -326,15 +375,29 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
 def wait_compute_bars(df, *, label: str | None = None, x: str = "variant", wait: str = "data_wait_ms",
                       compute: str = "compute_ms", title: str = "Data wait vs compute per step",
                       compute_label: str = "compute") -> "plt.Figure":
-    """Stacked bars: time per step waiting for data and computing."""
+    """Two panels: stacked bars of the time per step spent waiting for data and computing, and the data wait
+    alone on its own scale (next to a long step the wait is a sliver), with p10-p90 whiskers where ``df`` has
+    ``<wait>`` with ``_ms`` replaced by ``_p10_ms`` / ``_p90_ms`` (``bench.loader_timing``'s columns)."""
     set_style()
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(df) + 1.6))
+    fig, (ax, axw) = plt.subplots(1, 2, figsize=(11, 0.5 * len(df) + 1.9), sharey=True,
+                                  gridspec_kw={"width_ratios": [3, 2]})
     names = df[x].astype(str)
     ax.barh(names, df[compute], label=compute_label, color="C0")
     ax.barh(names, df[wait], left=df[compute], label="waiting for data", color="C3")
     ax.invert_yaxis()
     ax.set_xlabel("ms per step")
-    _title(ax, title, label)
+    ax.set_title("the whole step", fontsize=9)
+    lo, hi = wait.replace("_ms", "_p10_ms"), wait.replace("_ms", "_p90_ms")
+    spread = lo in df and hi in df
+    err = [(df[wait] - df[lo]).clip(lower=0), (df[hi] - df[wait]).clip(lower=0)] if spread else None
+    axw.barh(names, df[wait], xerr=err, capsize=3, color="C3", error_kw={"elinewidth": 1})
+    ends = df[hi] if spread else df[wait]
+    for i, (v, end) in enumerate(zip(df[wait], ends)):
+        axw.annotate(f"{v:.1f}", (end, i), xytext=(6, 0), textcoords="offset points", va="center", fontsize=8)
+    axw.set_xlim(0, 1.2 * float(ends.max()) if len(df) and float(ends.max()) > 0 else 1)
+    axw.set_xlabel("ms per step")
+    axw.set_title("waiting for data alone" + (": mean, p10-p90 whiskers" if spread else ""), fontsize=9)
+    _suptitle(fig, title, label)
     legend_below(ax, fontsize=8, ncol=2)  # inside, it covered the end of the last bar: where its data wait is drawn
     return fig
 
@@ -653,10 +716,10 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
 def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "images_per_s",
               title: str = "Cumulative speedup, stage by stage",
               separated: list[bool] | None = None, cumulative_separated: list[bool] | None = None) -> "plt.Figure":
-    """Each stage as a floating bar from the previous cumulative speedup to its own, labeled
-    "total (step)": its speedup over the first stage of the same run and its own factor over the
-    stage before. ``separated[i]`` False prints stage i's factor as "within noise" (no ratio; a
-    grey bar), ``cumulative_separated[i]`` False its total: the comparison stated no ratio there."""
+    """Each stage as a floating bar from the previous stage's speedup over the first stage to its own, labeled
+    "total 1.25x · step 1.10x": its speedup over the first stage of the same run, and its own factor over the stage
+    before. ``separated[i]`` False prints stage i's step as "within noise" (no ratio; a grey bar),
+    ``cumulative_separated[i]`` False its total: the comparison stated no ratio there."""
     set_style()
     stages = stages.reset_index(drop=True)
     cum = stages[y] / stages[y].iloc[0]
@@ -667,21 +730,23 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
         color = "C7" if i == 0 or within else ("C2" if c >= p else "C3")
         ax.barh(i, c - p, left=p, color=color)
         total_within = cumulative_separated is not None and i > 0 and not cumulative_separated[i]
-        if i == 0 or not (within or total_within):
-            text = f"{c:.2f}x" + ("" if i == 0 else f" ({c / p:.2f}x)")  # the total, and this stage's own factor
-        elif within and total_within:
-            text = "within noise"
-        elif within:
-            text = f"total {c:.2f}x, step within noise"
-        else:
-            text = f"step {c / p:.2f}x, total within noise"
-        ax.text(max(c, p), i, f"  {text}", va="center", fontsize=8)
+        if i == 0:
+            text = "1.00x: the baseline"
+        else:  # two lines: on one, the labels took half the axis and squeezed the bars
+            text = (("total within noise" if total_within else f"total {c:.2f}x") + "\n"
+                    + ("step within noise" if within else f"step {c / p:.2f}x"))
+        ax.text(max(c, p), i, text, va="center", fontsize=7.5, linespacing=1.1,
+                transform=ax.transData + matplotlib.transforms.ScaledTranslation(4 / 72, 0, fig.dpi_scale_trans))
     ax.set_yticks(range(len(stages)), stages[x])
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlim(0, cum.max() * (1.3 if separated is None and cumulative_separated is None else 1.6))
-    ax.set_xlabel("speedup over the baseline (images/s ratio, same run)")
+    ax.set_xlim(0, cum.max() * 1.3)
+    ax.set_xlabel("speedup over the baseline (images/s ratio, same run)\n"
+                  "each bar runs from the stage before's total to this stage's; "
+                  "total: over the baseline, step: over the stage before", fontsize=9)
     _title(ax, title, label)
+    fig.tight_layout()
+    _labels_in_view(ax, (1.0,))  # the axis ends at the longest label, and no label runs across the baseline's line
     return _checked(fig, separated is not None)
 
 
@@ -879,7 +944,8 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
     the measured ceiling of this model's step and the datasheet peak drawn as lines."""
     set_style()
     table = table.reset_index(drop=True)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(table) + 2.2), sharey=True)
+    # the left panel carries the longer labels ("30 · no measurable difference"): the wider of the two
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(table) + 2.2), sharey=True, width_ratios=(1.4, 1))
     names = table["variant"].astype(str) + "  (batch " + table["batch"].astype(str) + ")"
     bars = ax1.barh(names, table["img/s"], color=["C7"] + ["C0"] * (len(table) - 1))
     ax1.invert_yaxis()
@@ -906,7 +972,11 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
     if ceiling is not None:
         legend_below(ax2, fontsize=7)  # below: off the bars
     fig.tight_layout()
-    return _suptitle(fig, title, label)
+    _suptitle(fig, title, label)
+    # each panel as wide as its longest label ("30 · no measurable difference" ran past the frame), no label under a line
+    _labels_in_view(ax1)
+    _labels_in_view(ax2, tuple(line.get_xdata()[0] for line in ax2.get_lines()))
+    return fig
 
 
 def ceiling_figure(c, *, top: int = 12, label: str | None = None,
@@ -920,7 +990,7 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
     for b, share in zip(bars, df["share of conv time"]):
         ax.annotate(f"{b.get_width():.3g}  ({100 * share:.0f}% of conv time)", (b.get_width(), b.get_y() + b.get_height() / 2),
                     xytext=(3, 0), textcoords="offset points", va="center", fontsize=7, zorder=5,
-                    bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none"))  # opaque: the reference lines stop at it
+                    bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none"))
     lines = [(c.conv_tflops, "C0", "--", f"all convs: {c.conv_tflops:.3g} TFLOP/s"),
              (c.matmul_tflops, "C2", "-.", f"{c.matmul_n}x{c.matmul_n} matmul: {c.matmul_tflops:.3g} TFLOP/s")]
     if c.datasheet is not None:
@@ -932,6 +1002,9 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
     _title(ax, f"{title}\n{c.model}, batch {c.batch_size}: the {min(top, len(c.shapes))} shapes with most conv time", label)
     legend_below(ax, fontsize=7)  # below the axes: inside, it covered a bar's label whenever a long bar sat under it
     fig.tight_layout()
+    # a label a reference line would run through (a line stopped at an opaque label still read as struck through)
+    # sits right of that line, and the axis ends where the longest label does
+    _labels_in_view(ax, tuple(x for x, *_ in lines))
     if c.noisy:  # the bars' digits say more than the timings hold: the figure says so where it is seen without the text
         mark_caveat(fig, "Timed on a noisy machine, so read these rates as rough: " + "; ".join(c.noise_reasons) + ".")
     return fig

@@ -317,7 +317,40 @@ def test_the_waterfall_prints_no_ratio_where_the_comparison_states_none():
     stages = pd.DataFrame({"stage": ["base", "+ a", "+ b", "+ c"], "images_per_s": [30.0, 31.5, 60.0, 58.0]})
     fig = plots.waterfall(stages, label="t", separated=[True, False, True, False],
                           cumulative_separated=[True, False, True, True])
-    assert _texts(fig) == ["  1.00x", "  within noise", "  2.00x (1.90x)", "  total 1.93x, step within noise"]
+    assert _texts(fig) == ["1.00x: the baseline", "total within noise\nstep within noise", "total 2.00x\nstep 1.90x",
+                           "total 1.93x\nstep within noise"]
+
+
+def test_bar_labels_stay_inside_the_axes_and_off_the_reference_lines():
+    """09b's peer label ran past its panel's frame and its ceiling lines ran through bar labels; 09's waterfall axis
+    ran to 1.7 with nothing past 1.12."""
+    from ddpm_core import ceiling
+
+    def placed(ax):
+        ax.figure.canvas.draw()
+        r = ax.figure.canvas.get_renderer()
+        frame = ax.get_window_extent(r)
+        lines = [ax.transData.transform((line.get_xdata()[0], 0))[0] for line in ax.get_lines()]
+        for t in ax.texts:
+            box = t.get_window_extent(r)
+            assert box.x1 <= frame.x1, f"{t.get_text()!r} runs past the frame"
+            assert not any(box.x0 - 1 <= x <= box.x1 + 1 for x in lines), f"a line runs through {t.get_text()!r}"
+        return frame, [t.get_window_extent(r) for t in ax.texts]
+
+    stages = pd.DataFrame({"stage": ["base", "+ a", "+ b"], "images_per_s": [30.0, 33.0, 29.0]})
+    ax = plots.waterfall(stages, label="t", separated=[True, True, False], cumulative_separated=[True, True, False]).axes[0]
+    frame, boxes = placed(ax)
+    assert max(b.x1 for b in boxes) > frame.x1 - 0.1 * frame.width  # no long empty stretch right of the labels
+    shapes = pd.DataFrame({"shape": ["a", "b", "c"], "count": [1, 1, 1], "GFLOP": [1.0] * 3, "ms": [1.0] * 3,
+                           "spread": [0.0] * 3, "TFLOP/s": [0.078, 0.042, 0.029], "share of conv time": [0.5, 0.3, 0.2]})
+    c = ceiling.Ceiling(device_name="CPU", label="t", model="m", precision="fp32", batch_size=4, channels_last=True,
+                        shapes=shapes, conv_flops=int(0.0695e12 * 0.01), conv_ms=10.0, matmul_n=256, matmul_tflops=0.0739,
+                        step_flops=int(0.0695e12 * 0.012), datasheet=None)
+    placed(plots.ceiling_figure(c, label="t").axes[0])
+    table = pd.DataFrame({"variant": ["ours: baseline", "ours: fast"], "batch": [4, 4], "img/s": [27.0, 30.0],
+                          "speedup": ["1.00x (baseline)", "no measurable difference"], "TFLOP/s": [0.046, 0.069]})
+    for ax in plots.peers_figure(table, ceiling=c, label="t").axes:
+        placed(ax)
 
 
 def test_the_sdpa_figure_labels_each_pair_as_its_comparison_does():
