@@ -599,7 +599,7 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
                          xytext=(4, -12), textcoords="offset points", fontsize=8, color=f"C{i}")
         elif i and comparison is not None and r["median_ms"] < base["median_ms"]:
             ax2.annotate("no measurable speedup: no break-even", (horizon, (r["first_ms"] + horizon * r["median_ms"]) / 1e3),
-                         xytext=(-4, 8), textcoords="offset points", fontsize=8, color=f"C{i}", ha="right")
+                         xytext=(-4, -6), textcoords="offset points", fontsize=8, color=f"C{i}", ha="right", va="top")
     ax2.set_xlabel("training steps")
     ax2.set_ylabel("total time (s), compilation included")
     ax2.legend(fontsize=8)
