@@ -41,11 +41,24 @@ def synthetic_batch(synthetic_folder) -> torch.Tensor:
 def smoke_reference(tmp_path_factory, data_root):
     """The whole series, run once per test session in smoke mode through ``python -m ddpm_core.reference run``: the
     notebooks' smoke test and the reference command's test (test_reference.py); the browser's layout check reads
-    its executed notebooks (test_browser.py). Returns (folder, stdout, seconds, environment)."""
+    its executed notebooks (test_browser.py). Returns (folder, stdout, seconds, environment).
+
+    For development only: ``DDPM_TEST_SMOKE_REFERENCE=<a cpu-smoke folder>`` (one a run of this fixture left under
+    pytest's temporary folders, with a notebook swapped for a freshly executed copy) reuses it instead of running the
+    series again, so that e.g. the browser's layout check of one changed notebook takes a minute, not fifteen. The
+    tests that check the run itself (its log and timing) then see an empty log. CI never sets it."""
     import subprocess
     import sys
     import time
 
+    if os.environ.get("DDPM_TEST_SMOKE_REFERENCE"):
+        from pathlib import Path
+
+        folder = Path(os.environ["DDPM_TEST_SMOKE_REFERENCE"])
+        if not (folder / "parts.json").exists():
+            raise FileNotFoundError(f"DDPM_TEST_SMOKE_REFERENCE={folder} holds no parts.json: point it at a cpu-smoke "
+                                    "folder a smoke reference run wrote, or unset it")
+        return folder, "", 0.0, {**os.environ, "DDPM_DATA_DIR": data_root}
     root = tmp_path_factory.mktemp("reference")
     out = root / "cpu-smoke"
     env = {**os.environ, "DDPM_DATA_DIR": data_root, "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
