@@ -910,19 +910,38 @@ def quality_band(result, *, label: str | None = None,
     return _suptitle(fig, head, label if label is not None else result.label)
 
 
-def log_ticks(ax, axis: str = "y") -> None:
+def log_ticks(ax, axis: str = "y", extend_down: bool = False) -> None:
     """Label a log axis at 1, 2, 3 and 5 times the powers of ten inside its limits, as plain numbers (0.2, 0.3,
     0.5, 1, 2,000), with no minor ticks: every gridline gets a label, also on a range of less than one decade. Where
     fewer than three of those fall inside the limits, at finer multiples (1.5, 2.5, 4, 6, 8 as well); where fewer
-    than two of those do, at round numbers spaced evenly in value, the axis widened to the first outside the data."""
+    than two of those do, at round numbers spaced evenly in value, the axis widened to the first outside the data.
+
+    ``extend_down``: first move the lower limit to the labelled value just below the lowest point of the axes'
+    lines, so that no curve runs on below the last label (10's loss curves went to 0.12 under a lowest label of 0.2)."""
     lo, hi = sorted(ax.get_ylim() if axis == "y" else ax.get_xlim())
+    coarse, fine = (1, 2, 3, 5), (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8)
+
     def multiples(ks):
         return [k * 10.0**e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
                 for k in ks if lo <= k * 10.0**e <= hi]
 
-    ticks = multiples((1, 2, 3, 5))
+    if extend_down:
+        points = [float(v) for line in ax.get_lines() for v in (line.get_ydata() if axis == "y" else line.get_xdata())
+                  if math.isfinite(float(v)) and float(v) > 0]
+        low = min(points, default=lo)
+
+        def below(ks):  # the largest k x 10^e at or under the lowest point
+            return max(k * 10.0**e for e in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(low)) + 1)
+                       for k in ks if k * 10.0**e <= low)
+
+        lo = below(fine)  # where fewer than three coarse labels fit, the finer ones label it; else start at a coarse one
+        if len(multiples(coarse)) >= 3:
+            lo = below(coarse)
+        (ax.set_ylim if axis == "y" else ax.set_xlim)(lo, hi)
+
+    ticks = multiples(coarse)
     if len(ticks) < 3:  # less than a decade: finer steps (1,500, 2,000, 2,500, 3,000 for 1,270-3,300 s)
-        ticks = multiples((1, 1.5, 2, 2.5, 3, 4, 5, 6, 8))
+        ticks = multiples(fine)
     if len(ticks) < 2:  # a very narrow range (1,100-1,400): round numbers instead (1,100, 1,200, ...), the axis
         # widened to the first of them outside the data on each side, so that no point lies beyond the last label
         vals = [float(t) for t in matplotlib.ticker.MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi) if t > 0]

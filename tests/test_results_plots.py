@@ -130,6 +130,18 @@ def test_the_batch_sweep_draws_its_references_inside_the_axes_and_memory_in_mib(
     plots.plt.close(fig)
 
 
+def test_log_ticks_extend_down_puts_a_label_under_the_lowest_curve():
+    """10's loss curves ran on to 0.12 below a lowest label of 0.2."""
+    for low, bottom in ((0.12, 0.1), (0.42, 0.4)):
+        fig, ax = plots.plt.subplots()
+        ax.plot([1, 2, 3], [1.0, 0.5, low])
+        ax.set_yscale("log")
+        plots.log_ticks(ax, extend_down=True)
+        ticks = list(ax.get_yticks())
+        assert ax.get_ylim()[0] == pytest.approx(bottom) and min(ticks) == pytest.approx(bottom) and min(ticks) <= low
+        plots.plt.close(fig)
+
+
 def test_every_gridline_of_a_log_axis_set_by_log_ticks_keeps_its_label():
     # 09b's quality figure: a loss axis of less than two decades had a gridline at 0.5 with no label, because the
     # figure's title step (plain_log_ticks) replaced log_ticks' labels with matplotlib's choice of which to label
