@@ -808,7 +808,8 @@ class Comparison:
         r = self.speedup(a, b)
         if r is None:
             return f"no measurable difference from {b.name} at this noise level (their per-image p10-p90 ranges overlap)"
-        return f"{r:.2f}x the throughput of {b.name}" + (" (faster)" if r > 1 else " (slower)")
+        # the direction first: b.name often ends in parentheses ("baseline (fp32, eager)"), and a "(faster)" after it nested them
+        return ("faster" if r > 1 else "slower") + f", at {r:.2f}x the throughput of {b.name}"
 
     def factor(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
         """The short form of ``verdict`` for a table cell: "1.23x", "noisy" or "no measurable difference"."""

@@ -55,8 +55,9 @@ def legend_overlaps(fig: "plt.Figure") -> list[str]:
     return found
 
 
-def legend_below(ax: "plt.Axes", **kw: Any) -> "plt.Legend":
-    """A legend centred under ``ax``, below its tick labels and x label, whatever the figure's size.
+def legend_below(ax: "plt.Axes", align: str = "center", **kw: Any) -> "plt.Legend":
+    """A legend under ``ax`` (centred, or flush with its right edge: ``align="right"``), below its tick labels and
+    x label, whatever the figure's size.
 
     The gap is measured once drawn and kept in points, so a later ``tight_layout`` that shrinks the axes does not
     bring the legend back over the label (a fixed offset in axes units does).
@@ -69,7 +70,10 @@ def legend_below(ax: "plt.Axes", **kw: Any) -> "plt.Legend":
     lowest = min([t.get_window_extent(renderer).y0 for t in texts], default=axes_bottom)
     drop = (axes_bottom - lowest) / fig.dpi + 4 / 72  # inches, and a 4-point gap
     anchor = ax.transAxes + matplotlib.transforms.ScaledTranslation(0, -drop, fig.dpi_scale_trans)
-    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=anchor, frameon=False, **kw)
+    if align not in ("center", "right"):
+        raise ValueError(f"align must be 'center' or 'right', not {align!r}")
+    return ax.legend(loc=f"upper {align}", bbox_to_anchor=(0.5 if align == "center" else 1, 0), bbox_transform=anchor,
+                     frameon=False, **kw)
 
 
 def savefig(fig: "plt.Figure", name: str, dpi: int = 150) -> Path:
@@ -989,9 +993,15 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
     ax2.set_xlim(0, top * 1.15)
     ax2.set_xlabel("achieved TFLOP/s (each step's own FLOPs)")
     if ceiling is not None:
-        legend_below(ax2, fontsize=7)  # below: off the bars
+        # below: off the bars; flush with the panel's right edge, as it is wider than the panel. Left out of
+        # tight_layout, which otherwise opened a wide gap between the panels to make room for its overhang; back in
+        # for the saved figure's tight bounding box, which must hold it
+        leg = legend_below(ax2, align="right", fontsize=7)
+        leg.set_in_layout(False)
     fig.tight_layout()
     _suptitle(fig, title, label)
+    if ceiling is not None:
+        leg.set_in_layout(True)
     # each panel as wide as its longest label ("30 · no measurable difference" ran past the frame), no label under a line
     _labels_in_view(ax1)
     _labels_in_view(ax2, tuple(line.get_xdata()[0] for line in ax2.get_lines()))

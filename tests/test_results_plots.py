@@ -361,8 +361,16 @@ def test_bar_labels_stay_inside_the_axes_and_off_the_reference_lines():
     placed(plots.ceiling_figure(c, label="t").axes[0])
     table = pd.DataFrame({"variant": ["ours: baseline", "ours: fast"], "batch": [4, 4], "img/s": [27.0, 30.0],
                           "speedup": ["1.00x (baseline)", "no measurable difference"], "TFLOP/s": [0.046, 0.069]})
-    for ax in plots.peers_figure(table, ceiling=c, label="t").axes:
+    fig = plots.peers_figure(table, ceiling=c, label="t")
+    for ax in fig.axes:
         placed(ax)
+    # the panels sit close: the ceiling's legend, wider than its panel, once opened a gap of a fifth of the figure
+    r = fig.canvas.get_renderer()
+    left, right = fig.axes
+    left_end = max([left.get_window_extent(r).x1] + [t.get_window_extent(r).x1 for t in left.texts])
+    assert right.get_window_extent(r).x0 - left_end < 0.05 * fig.bbox.width
+    legend = right.get_legend()
+    assert legend.get_in_layout() and fig.get_tightbbox(r).y0 <= legend.get_tightbbox(r).y0 / fig.dpi  # saved with it
 
 
 def test_the_sdpa_figure_labels_each_pair_as_its_comparison_does():
