@@ -155,6 +155,14 @@ def contenders(batch_size: int, device: torch.device, smoke: bool, fast_batch: i
         except ImportError as e:
             skipped.append(f"{name}: not installed ({e.name or e}); pip install -e '.[peers]'")
             continue
+        except Exception as e:  # noqa: BLE001 - a peer that fails to build is reported, ours never hides an error
+            if name.startswith("ours"):
+                raise
+            # e.g. diffusers' lazy modules turn a failed import of a dependency (a version that does not match this
+            # torch) into a RuntimeError: the other contenders are still measured
+            skipped.append(f"{name}: could not be built here ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                           "check its version against this torch (pip install -e '.[peers]')")
+            continue
         b = fast_batch if name.startswith("ours: fast, batch") else batch_size
         variants.append(bench.Variant(name, fn, (), b, flops=flops, precision=precision))
     return variants, skipped

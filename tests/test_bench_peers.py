@@ -1,6 +1,7 @@
 """bench_peers in smoke mode: every contender builds, trains and is measured side by side."""
 
 import pytest
+import torch
 
 from ddpm_core import bench_peers, results
 
@@ -28,3 +29,21 @@ def test_bench_peers_refuses_a_bad_batch_size_before_building_anything(capsys):
         with pytest.raises(SystemExit) as e:
             bench_peers.main([flag, "0"])
         assert e.value.code == 2 and f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def test_a_peer_that_fails_to_build_is_skipped_with_its_error_and_ours_are_still_measured(monkeypatch):
+    """diffusers turns a failed import of a dependency into a RuntimeError (its lazy modules): the benchmark
+    reports that peer as skipped, with the error, and measures the others; an error in our own step is raised."""
+    from ddpm_core import bench_peers
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Failed to import diffusers.models.unets.unet_2d because of the following error:\nboom")
+
+    monkeypatch.setattr(bench_peers, "diffusers_step", broken)
+    variants, skipped = bench_peers.contenders(2, torch.device("cpu"), smoke=True)
+    assert [v.name for v in variants if v.name.startswith("ours")] == ["ours: baseline", "ours: fast"]
+    assert "diffusers" not in [v.name for v in variants]
+    assert any(s.startswith("diffusers: could not be built here (RuntimeError: Failed to import") for s in skipped), skipped
+    monkeypatch.setattr(bench_peers, "ours", broken)
+    with pytest.raises(RuntimeError, match="Failed to import"):
+        bench_peers.contenders(2, torch.device("cpu"), smoke=True)
