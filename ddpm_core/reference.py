@@ -2,17 +2,20 @@
 
     make reference                               # = python -m ddpm_core.reference run
     python -m ddpm_core.reference run --parts nb-04        # one part (each fits an 8-minute command)
-    python -m ddpm_core.reference pack           # results.csv, trimmed traces, one archive (<= 15 MB)
+    python -m ddpm_core.reference pack FOLDER    # the whole folder into FOLDER.tar.gz (<= 15 MB)
     python -m ddpm_core.reference unpack data/reference/h100-80gb-hbm3.tar.gz
 
 ``run`` goes in parts (``PARTS``), each at most 8 minutes on one H100, and is resumable: a part
 already done is skipped (``--force`` redoes it). After every notebook part the folder is whole
 (its result rows merged into results.csv, its traces trimmed into traces/), so the scratch folder
 ``_work`` never has to travel: a run can go on in another command, on another machine, in another
-session, from the committed folder alone. ``--archive-to DIR`` packs the folder into DIR after
-every part, so a command killed at its time limit still returns the parts it finished, and
-``--keep-going`` runs the remaining parts after one fails (a shakedown of every notebook's GPU
-branches in one command: ``run --smoke --keep-going``). ``scripts/gpu_call.sh`` is one device command.
+session, from the committed folder alone. ``--archive-to DIR`` packs into DIR after every part what
+this run added to the folder (the files new or changed since it started, and a DELTA.json naming
+what it started from; the whole folder where that was empty), so a command killed at its time
+limit still returns the parts it finished, and an archive holds one command's work however big
+the reference grows (``unpack`` extracts it over the folder it started from). ``--keep-going``
+runs the remaining parts after one fails (a shakedown of every notebook's GPU branches in one
+command: ``run --smoke --keep-going``). ``scripts/gpu_call.sh`` is one device command.
 Without a GPU the same command runs everything in smoke mode and writes a complete folder of the
 same layout, which the test suite checks.
 
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
+import io
 import json
 import os
 import platform
@@ -57,16 +62,23 @@ PART_BUDGET_S = int(os.environ.get("DDPM_PART_BUDGET_S") or 8 * 60)
 ARCHIVE_LIMIT_BYTES = 15 * 2**20
 TRACE_STEPS = 3  # ProfilerSteps kept per trimmed trace (HTA drops the last one)
 WORK = "_work"  # scratch inside the folder (runs, per-notebook results): never packed or committed
+BASE_MANIFEST = "base-manifest.json"  # in WORK: the folder's files as a run found them, what its archives leave out
+DELTA = "DELTA.json"  # at the top of an archive that holds only what one run added: never extracted, never packed
 NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_BUDGET_S on one H100
+    # Sized from an estimate read off the code (2026-11-27: cells, steps, compiles, processes) against notebook 01's
+    # H100 timings, after the full-mode trims of that day: about 6 minutes at most per part, so that two parts fit
+    # one 15-minute device session. Only nb-00-01 has been timed (507 s).
     "nb-00-01": ["00", "01"],  # 01 trains the paper's model for 4 minutes (TRAIN_SECONDS) and samples 1000 steps
-    "nb-02": ["02"],
-    "nb-03": ["03", "03b"],  # 03b_memory runs largest-batch searches
-    "nb-04": ["04"],  # compiles three modes, then its solutions compile more (CUDA graphs at two batches, max-autotune)
-    "nb-05-06": ["05", "06"],
-    "nb-07-08": ["07", "08"],  # 07 compiles its step
-    "nb-09": ["09"],  # seven compiled stages
-    "nb-09b": ["09b"],  # the peers (diffusers, lucidrains: their wheels, scripts/gpu_wheels.sh), the ceiling, the quality runs
-    "nb-10": ["10"],
+    "nb-02": ["02"],  # ~4.5 min: cuDNN autotuning in 6 fresh processes, the profiles, the sync demo
+    "nb-03": ["03"],  # ~5 min: the sweep to out of memory, cuDNN at both ends in fresh processes, Exercise 3's trainings
+    "nb-03b": ["03b"],  # ~2 min: largest-batch searches
+    "nb-04": ["04"],  # ~5-7 min: default and reduce-overhead compiled cold, then CUDA graphs at batch 32 (Exercise 1)
+    "nb-05-06": ["05", "06"],  # ~2 + ~3.5 min
+    "nb-07": ["07"],  # ~3.5 min: 07 compiles its step
+    "nb-08": ["08"],  # ~3.5 min on one GPU: DDP in gloo CPU processes (torchrun launches)
+    "nb-09": ["09"],  # ~5 min: ten stages, the last two compiled
+    "nb-09b": ["09b"],  # ~6 min: the peers (their wheels: scripts/gpu_wheels.sh), two compiles, the ceiling, the quality runs
+    "nb-10": ["10"],  # ~5 min: 10 trainings of 100 fp32 steps
 }
 # The gpu tests in two parts: on the H100 (2026-11-26) one cold reduce-overhead compile of the tiny model took 55 s
 # and the max-autotune test ran past 160 s, so all of them together do not fit one part.
@@ -580,47 +592,188 @@ def collect(out: Path, notebooks: Sequence[str] | None = None) -> dict:
 
 def _part_pack(out: Path, smoke: bool) -> dict:
     detail = collect(out)
-    archive = pack(out)
+    archive = pack(out, delta=True)  # what this run added (the whole folder where it started from nothing)
     return {**detail, "traces": len(list((out / "traces").rglob("*.json.gz"))), "archive": str(archive),
             "archive_mb": round(archive.stat().st_size / 2**20, 2)}
 
 
-def pack(out: Path) -> Path:
-    """``<out>.tar.gz`` of the folder without its scratch; fails naming the biggest files past 15 MB."""
+def _sha1(path: Path) -> str:
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest(out: Path) -> dict[str, dict]:
+    """A reference folder's files: relative path -> {"size", "sha1"}; its scratch (WORK) and a DELTA.json left out."""
+    out = Path(out)
+    files: dict[str, dict] = {}
+    for dirpath, dirnames, filenames in os.walk(out):
+        dirnames[:] = sorted(d for d in dirnames if d != WORK)
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            rel = path.relative_to(out).as_posix()
+            if rel != DELTA and path.is_file():
+                files[rel] = {"size": path.stat().st_size, "sha1": _sha1(path)}
+    return files
+
+
+def record_base(out: Path) -> Path:
+    """Write WORK/base-manifest.json: the folder's files as this run finds them, before its first part.
+
+    ``pack(out, delta=True)`` packs only the files that are new or changed since: what this run added."""
+    path = Path(out) / WORK / BASE_MANIFEST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"recorded": _now(), "files": manifest(out)}, indent=0))
+    return path
+
+
+def _git_commit(out: Path) -> str | None:
+    """The commit a run measured: DDPM_GIT_COMMIT (what a device command names), else meta.json's."""
+    if os.environ.get("DDPM_GIT_COMMIT"):
+        return os.environ["DDPM_GIT_COMMIT"]
+    try:
+        return meta(out).get("git_commit") or None
+    except (OSError, ValueError):
+        return None
+
+
+def pack(out: Path, delta: bool = False) -> Path:
+    """``<out>.tar.gz`` of the folder without its scratch; fails naming the biggest files past 15 MB.
+
+    ``delta``: only the files that are new or changed since the run recorded its base (``record_base``, at the start
+    of ``run``), with a DELTA.json at the top naming the base, so that an archive holds one run's work, never the
+    whole reference (13 executed notebooks with their figures and the traces are well over 15 MB). Where that base
+    is empty (a run into a new folder) the archive is a full one, as is every archive of ``delta=False``.
+    """
     out = Path(out)
     archive = out.parent / f"{out.name}.tar.gz"
+    now = manifest(out)
+    marker = None
+    if delta:
+        base_path = out / WORK / BASE_MANIFEST
+        if not base_path.exists():
+            raise RuntimeError(f"{out} holds no {WORK}/{BASE_MANIFEST}: no run recorded what the folder held before it. "
+                               f"Fix: pack the whole folder (without --delta), or pack during `run --archive-to`.")
+        base = json.loads(base_path.read_text())["files"]
+        if base:
+            files = [rel for rel, f in now.items() if base.get(rel, {}).get("sha1") != f["sha1"]]
+            marker = {"delta": True, "folder": out.name, "made": _now(), "git_commit": _git_commit(out),
+                      "base_files": len(base), "files": files,
+                      "gone": sorted(set(base) - set(now)),  # never deleted by unpack: listed for the record
+                      "base": {rel: f["sha1"] for rel, f in base.items()}}  # what unpack checks the folder against
+        else:
+            files = list(now)
+    else:
+        files = list(now)
     with tarfile.open(archive, "w:gz") as tar:
-        tar.add(out, arcname=out.name, filter=lambda ti: None if WORK in Path(ti.name).parts else ti)
+        tar.add(out, arcname=out.name, recursive=False)
+        if marker is not None:
+            data = json.dumps(marker, indent=1).encode()
+            info = tarfile.TarInfo(f"{out.name}/{DELTA}")
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+            tar.addfile(info, io.BytesIO(data))
+        for rel in files:
+            tar.add(out / rel, arcname=f"{out.name}/{rel}", recursive=False)
     size = archive.stat().st_size
     if size > ARCHIVE_LIMIT_BYTES:
-        files = sorted((p for p in out.rglob("*") if p.is_file() and WORK not in p.parts),
-                       key=lambda p: p.stat().st_size, reverse=True)[:5]
-        biggest = ", ".join(f"{p.relative_to(out)} ({p.stat().st_size / 2**20:.1f} MB)" for p in files)
+        biggest = ", ".join(f"{rel} ({now[rel]['size'] / 2**20:.1f} MB)"
+                            for rel in sorted(files, key=lambda r: now[r]["size"], reverse=True)[:5])
+        what = (f"what this run added to {out.name} ({len(files)} new or changed files of {len(now)})"
+                if marker is not None else f"the whole of {out.name} ({len(files)} files)")
+        fix = ("Fix: run fewer parts per command (each command's archive holds only what it added: unpack it, "
+               "commit, and the next command goes on from there), or capture fewer steps or trim harder."
+               if marker is not None else
+               "Fix: capture fewer steps or trim harder, or pack only what a run added (`run --archive-to DIR`, or "
+               "`pack --delta` after a run).")
         raise RuntimeError(f"{archive} is {size / 2**20:.1f} MB, over the {ARCHIVE_LIMIT_BYTES / 2**20:.0f} MB a "
-                           f"reference may take. Biggest files: {biggest}. Fix: capture fewer steps or trim harder.")
+                           f"reference archive may take; it holds {what}. Biggest files: {biggest}. {fix}")
     return archive
 
 
-def unpack(archive: Path, root: Path | None = None, figures: Path | None = None) -> Path:
-    """Extract a reference archive into ``root`` (data/reference) and copy its figures into figures/."""
+def _extract(tar: tarfile.TarFile, root: Path, members: list[tarfile.TarInfo]) -> None:
+    if hasattr(tarfile, "data_filter"):  # 3.12, and the 3.8-3.11 releases that got extraction filters
+        tar.extractall(root, members=members, filter="data")
+    else:
+        tar.extractall(root, members=members)
+
+
+def _check_base(archive: Path, folder: Path, marker: dict, brought: dict[str, str], force: bool) -> None:
+    """Refuse a delta unless ``folder`` holds the files its run started from, each unchanged or already as the delta
+    brings it (``brought``: relative path -> sha1; unpacking the same delta twice is harmless). ``force``: refuse only
+    where the folder is missing and the delta holds no meta.json."""
+    base: dict[str, str] = marker.get("base", {})
+    started = (f"a run that started from commit {str(marker['git_commit'])[:10]} with {len(base)} files there"
+               if marker.get("git_commit") else f"a run that started with {len(base)} files there")
+    if not folder.is_dir():
+        has_meta = "meta.json" in brought
+        if not (has_meta and force):
+            raise ValueError(
+                f"{archive} adds the parts of {started} to {folder}, which is missing here. Fix: unpack the earlier "
+                f"archives of that reference first, in the order they were made, or check out the commit that has it"
+                + (" (`unpack --force` makes the folder from this archive alone)." if has_meta and base else "."))
+        return
+    if force:
+        return
+    missing = [rel for rel in base if not (folder / rel).is_file()]
+    changed = [rel for rel in base if (folder / rel).is_file() and _sha1(folder / rel) not in (base[rel], brought.get(rel))]
+    if missing or changed:
+        said = [f"{len(missing)} missing here ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})"] if missing else []
+        said += [f"{len(changed)} different here ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''})"] if changed else []
+        raise ValueError(
+            f"{archive} holds only what {started} added, but {folder} is not what it started from: of those files, "
+            f"{' and '.join(said)}. Unpacked here, it would write its parts.json and results.csv (the run's whole "
+            f"status and rows, its start's plus its own) over parts and rows it never saw. Fix: unpack the archives "
+            f"in the order they were made, each over what the one before left (an archive made before this folder's "
+            f"last unpack: rerun its parts from here), or check out the commit the run started from; "
+            f"`unpack --force` extracts it anyway.")
+
+
+def unpack(archive: Path, root: Path | None = None, figures: Path | None = None, force: bool = False) -> Path:
+    """Extract a reference archive into ``root`` (data/reference) and copy its figures into figures/.
+
+    A full archive replaces the folder. A delta (DELTA.json at its top: what one run added, ``pack(delta=True)``)
+    is extracted over the folder its run started from, which must be here, unchanged (``force``: anyway), and
+    deletes nothing; only its own figures are copied."""
     root = Path(root) if root is not None else reference_dir()
     figures = Path(figures) if figures is not None else figures_dir()
     with tarfile.open(archive) as tar:
-        names = tar.getnames()
+        members = tar.getmembers()
+        names = [m.name for m in members]
         top = {n.split("/", 1)[0] for n in names}
         if len(top) != 1 or any(n.startswith("/") or ".." in Path(n).parts for n in names):
             raise ValueError(f"{archive} is not a reference archive (one top folder, relative paths). "
                              f"Fix: make it with `python -m ddpm_core.reference pack`.")
-        folder = root / top.pop()
-        if folder.exists():
-            shutil.rmtree(folder)
-        root.mkdir(parents=True, exist_ok=True)
-        tar.extractall(root, filter="data") if sys.version_info >= (3, 12) else tar.extractall(root)
+        name = top.pop()
+        folder = root / name
+        marker_name = f"{name}/{DELTA}"
+        if marker_name in names:
+            marker = json.load(tar.extractfile(marker_name))
+            brought = {m.name.split("/", 1)[1]: hashlib.sha1(tar.extractfile(m).read()).hexdigest()
+                       for m in members if m.isfile() and "/" in m.name and m.name != marker_name}
+            _check_base(archive, folder, marker, brought, force)
+            # parts.json and results.csv are written over: run() read the parts.json it started from and wrote it back
+            # with its own parts added, and collect() rewrote results.csv as the start's rows with its notebooks' rows
+            # replaced, so each is the base's plus this run's, and the base is what _check_base found here.
+            members = [m for m in members if m.name != marker_name]
+            root.mkdir(parents=True, exist_ok=True)
+            _extract(tar, root, members)
+            pngs = [root / n for n in names if n.startswith(f"{name}/figures/") and n.endswith(".png")]
+        else:
+            if f"{name}/meta.json" not in names:  # checked before the folder here is deleted
+                raise ValueError(f"{archive} holds no meta.json: not a reference run")
+            if folder.exists():
+                shutil.rmtree(folder)
+            root.mkdir(parents=True, exist_ok=True)
+            _extract(tar, root, members)
+            pngs = sorted((folder / "figures").glob("*.png"))
     if not (folder / "meta.json").exists():
         raise ValueError(f"{archive} holds no meta.json: not a reference run")
     figures.mkdir(parents=True, exist_ok=True)
-    for png in sorted((folder / "figures").glob("*.png")):
-        shutil.copy2(png, figures / png.name)
+    for png in sorted(pngs):
+        if png.is_file():
+            shutil.copy2(png, figures / png.name)
     return folder
 
 
@@ -632,7 +785,9 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     A part that raises is recorded as failed in parts.json; the run stops there unless
     ``keep_going``, which runs the rest and raises at the end naming every failed part. A part
     killed from outside stays "running" in parts.json, and the next run does it again.
-    ``archive_to``: after every part, pack the folder into that folder (``<name>.tar.gz``).
+    ``archive_to``: after every part, pack into that folder (``<name>.tar.gz``) what this run added to ``out``:
+    the files new or changed since it started (``record_base``, ``pack(delta=True)``), or the whole folder where it
+    started from an empty one. ``unpack`` puts such an archive over the folder it started from.
     """
     import torch
 
@@ -649,6 +804,10 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         raise ValueError(f"{out} holds a {status['_mode']} run; this one is {'smoke' if smoke else 'full'}. "
                          f"Fix: another --out, or delete {out}.")
     status["_mode"] = "smoke" if smoke else "full"
+    # What the folder holds before this run's first part: its archives (--archive-to, the pack part) hold only what it
+    # adds. The status above is that base's parts.json, to which this run only adds or updates its own parts' entries,
+    # so a delta's parts.json is the base's plus this run's, and unpack rightly writes it over the base's.
+    record_base(out)
 
     def notebook_part(pre: list[str]) -> dict:
         detail = _part_notebooks(out, smoke, pre, notebooks, keep_going) or {}
@@ -716,18 +875,19 @@ def _chosen(prefixes: list[str], only: Sequence[str] | None) -> list[Path]:
 
 
 def _archive_to(out: Path, folder: Path | None) -> None:
-    """Pack ``out`` into ``folder`` (if given) after a part; a pack that fails is reported, never raised."""
+    """Pack what this run added to ``out`` (``pack(delta=True)``) into ``folder`` (if given) after a part; a pack
+    that fails is reported, never raised (the archive of the part before stays there)."""
     if folder is None:
         return
     try:
-        archive = pack(out)
+        archive = pack(out, delta=True)
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         if archive.parent.resolve() != folder.resolve():
             shutil.copy2(archive, folder / archive.name)
         print(f"  packed -> {folder / archive.name} ({archive.stat().st_size / 2**20:.1f} MB)", flush=True)
-    except (OSError, RuntimeError) as e:
-        print(f"  could not pack {out} into {folder}: {e}", flush=True)
+    except (OSError, RuntimeError, ValueError, KeyError) as e:  # e.g. a damaged base manifest: the part still counts
+        print(f"  could not pack {out} into {folder}: {type(e).__name__}: {e}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -747,8 +907,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status", help="print where each committed full reference run stands (the README's table)")
     k = sub.add_parser("pack", help="pack a reference folder into <folder>.tar.gz")
     k.add_argument("folder")
+    k.add_argument("--delta", action="store_true",
+                   help="only the files new or changed since the last run on the folder started (what `run` packs)")
     u = sub.add_parser("unpack", help="extract a reference archive into data/reference and figures/")
     u.add_argument("archive")
+    u.add_argument("--force", action="store_true",
+                   help="extract a delta archive even where the folder here is not the one its run started from")
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":
@@ -758,9 +922,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "status":
             print(status_markdown())
         elif args.cmd == "pack":
-            print(pack(Path(args.folder)))
+            print(pack(Path(args.folder), delta=args.delta))
         else:
-            print(f"unpacked into {unpack(Path(args.archive))}")
+            print(f"unpacked into {unpack(Path(args.archive), force=args.force)}")
     except (RuntimeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

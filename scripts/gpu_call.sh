@@ -6,10 +6,13 @@
 #   bash scripts/gpu_call.sh --shakedown                 # every notebook in smoke mode on the GPU, past failures
 #
 # It installs the wheels into /tmp/site, runs the parts under a deadline (DEADLINE_S, default 560 s: a device
-# command is stopped at 600 s), and after EVERY part packs the reference folder into $OUT, so a command stopped
-# at its limit still returns the parts it finished. $OUT also gets run.log and, for the shakedown, the executed
-# notebooks' archive. Back here: `python -m ddpm_core.reference unpack <archive>` (full mode only; a
-# shakedown's archive is for reading, never for data/reference), then commit data/reference/<gpu>/ and figures/.
+# command is stopped at 600 s), and after EVERY part packs into $OUT what this command added to the reference
+# folder (the files new or changed since it began, with a DELTA.json; the whole folder where it began empty), so a
+# command stopped at its limit still returns the parts it finished, and no archive outgrows one command's work.
+# $OUT also gets run.log and, for the shakedown, the executed notebooks' archive. Back here: `python -m
+# ddpm_core.reference unpack <archive>` (full mode only; a shakedown's archive is for reading, never for
+# data/reference), which puts it over the folder the command carried (unpack a session's archives in the order
+# they were made), then commit data/reference/<gpu>/ and figures/.
 # The next command (or session) carries the committed folder and goes on from the first part not done.
 # The copy of the repo there may hold no .git, or one at another commit: start the command with
 # DDPM_GIT_COMMIT=$(git rev-parse HEAD) (its value, written here, after committing) so that meta.json names the
@@ -100,7 +103,7 @@ left=$(( ${DEADLINE_S:-560} - ($(date +%s) - start) ))
 if [ "${1:-}" = "--shakedown" ]; then
   shift
   parts=("$@")
-  [ ${#parts[@]} -gt 0 ] || parts=(nb-00-01 nb-02 nb-03 nb-04 nb-05-06 nb-07-08 nb-09 nb-09b nb-10 gpu-tests gpu-tests-slow)
+  [ ${#parts[@]} -gt 0 ] || parts=(nb-00-01 nb-02 nb-03 nb-03b nb-04 nb-05-06 nb-07 nb-08 nb-09 nb-09b nb-10 gpu-tests gpu-tests-slow)
   shake=${SHAKEDOWN_DIR:-/tmp/shakedown}
   timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --smoke --keep-going --out "$shake" \
     --parts "${parts[@]}" 2>&1 | tee "$OUT/run.log"

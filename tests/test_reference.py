@@ -248,7 +248,7 @@ def test_keep_going_runs_past_a_failed_part_and_every_part_is_packed_as_it_ends(
 
     def fake(out, smoke, prefixes, only, keep_going=False):
         calls.append(prefixes[0])
-        if prefixes == ["03", "03b"]:
+        if prefixes == ["03"]:
             raise series.NotebookFailed("03_batch_size.ipynb: cell 4 raised OutOfMemoryError: CUDA out of memory")
         (out / "notebooks").mkdir(exist_ok=True)
         (out / "notebooks" / f"{prefixes[0]}.ipynb").write_text("{}")
@@ -266,9 +266,10 @@ def test_keep_going_runs_past_a_failed_part_and_every_part_is_packed_as_it_ends(
     assert calls == ["02", "03", "03", "04"]  # nb-02 was done: skipped; nb-03 tried again; nb-04 ran after it
     status = json.loads((out / "parts.json").read_text())
     assert [status[p]["status"] for p in ("nb-02", "nb-03", "nb-04")] == ["done", "failed", "done"]
-    with tarfile.open(dest / "ref.tar.gz") as tar:  # the archive after the last part holds every part so far
+    with tarfile.open(dest / "ref.tar.gz") as tar:  # the second command's archive: what it added, 04 and the status
         names = set(tar.getnames())
-    assert {"ref/parts.json", "ref/notebooks/02.ipynb", "ref/notebooks/04.ipynb"} <= names
+    assert {"ref/parts.json", "ref/notebooks/04.ipynb", f"ref/{reference.DELTA}"} <= names
+    assert "ref/notebooks/02.ipynb" not in names  # there before that command began
 
 
 def test_a_part_killed_from_outside_stays_running_and_the_next_run_does_it_again(tmp_path, monkeypatch):
@@ -516,3 +517,150 @@ def test_the_readme_gpu_table_states_a_stage_ratio_only_where_09_would(tmp_path)
     assert md in reference.status_markdown(tmp_path)
     (folder / "results.csv").unlink()
     assert reference.stages_markdown(folder) == ""
+
+
+def _committed_folder(folder: Path) -> Path:
+    """A small fake reference folder as a commit holds it after meta, gpu-tests and nb-02."""
+    (folder / "notebooks").mkdir(parents=True)
+    (folder / "figures").mkdir()
+    (folder / "traces" / "02_baseline").mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "mode": "full",
+                                                  "git_commit": "c0ffee0000"}))
+    (folder / "parts.json").write_text(json.dumps({"_mode": "full", "meta": {"status": "done", "seconds": 1.0},
+                                                   "nb-02": {"status": "done", "seconds": 90.0}}))
+    (folder / "tests.log").write_text("5 passed\n")
+    _rows("02_profile_the_baseline", ["eager"]).to_csv(folder / "results.csv", index=False)
+    (folder / "notebooks" / "02_profile_the_baseline.ipynb").write_bytes(os.urandom(4000))
+    (folder / "figures" / "02_top_ops.png").write_bytes(os.urandom(3000))
+    (folder / "traces" / "02_baseline" / "rank0.pt.trace.json.gz").write_bytes(os.urandom(5000))
+    return folder
+
+
+def _resumed_run(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """The committed folder here, a copy of it on the "device", and a run there of nb-02 (done: skipped) and nb-04
+    (new), archived into OUT after each part. Returns (the folder here, the archive)."""
+    import shutil
+
+    here = _committed_folder(tmp_path / "here" / "h100-80gb-hbm3")
+    device = tmp_path / "device" / "h100-80gb-hbm3"
+    shutil.copytree(here, device)
+    os.utime(device / "notebooks" / "02_profile_the_baseline.ipynb")  # touched, same bytes: not packed
+
+    def nb04(out, smoke, prefixes, only, keep_going=False):
+        (out / "notebooks" / "04_torch_compile.ipynb").write_bytes(os.urandom(6000))
+        (out / "figures" / "04_compile_modes.png").write_bytes(os.urandom(3000))
+        (out / reference.WORK / "results").mkdir(parents=True, exist_ok=True)
+        _rows("04_torch_compile", ["default", "max-autotune"]).to_csv(
+            out / reference.WORK / "results" / "04_torch_compile.csv", index=False)
+        return {"notebooks": {"04_torch_compile": 200.0}}
+
+    monkeypatch.setattr(reference, "_part_notebooks", nb04)
+    monkeypatch.setenv("DDPM_GIT_COMMIT", "d00dfeed11")
+    reference.run(device, smoke=False, parts=["nb-02", "nb-04"], archive_to=tmp_path / "OUT")
+    return here, tmp_path / "OUT" / "h100-80gb-hbm3.tar.gz"
+
+
+def test_a_run_resumed_from_a_committed_folder_packs_only_what_it_added_and_unpack_merges_it(tmp_path, monkeypatch):
+    here, archive = _resumed_run(tmp_path, monkeypatch)
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        marker = json.load(tar.extractfile(f"h100-80gb-hbm3/{reference.DELTA}"))
+    top = "h100-80gb-hbm3"
+    added = {"parts.json", "results.csv", "notebooks/04_torch_compile.ipynb", "figures/04_compile_modes.png"}
+    assert names == {top, f"{top}/{reference.DELTA}", *(f"{top}/{n}" for n in added)}
+    assert set(marker["files"]) == added and marker["base_files"] == 7 and marker["git_commit"] == "d00dfeed11"
+    figures = tmp_path / "figures"
+    folder = reference.unpack(archive, root=here.parent, figures=figures)
+    assert folder == here and not (here / reference.DELTA).exists()
+    files = {p.relative_to(here).as_posix() for p in here.rglob("*") if p.is_file()}
+    assert files == {"meta.json", "parts.json", "tests.log", "results.csv", "notebooks/02_profile_the_baseline.ipynb",
+                     "notebooks/04_torch_compile.ipynb", "figures/02_top_ops.png", "figures/04_compile_modes.png",
+                     "traces/02_baseline/rank0.pt.trace.json.gz"}  # the union: nothing the commit had is lost
+    status = json.loads((here / "parts.json").read_text())
+    assert status["nb-02"]["status"] == status["nb-04"]["status"] == "done" and status["meta"]["seconds"] == 1.0
+    assert sorted(zip(*[reference.results(here)[c] for c in ("notebook", "variant")])) == [
+        ("02_profile_the_baseline", "eager"), ("04_torch_compile", "default"), ("04_torch_compile", "max-autotune")]
+    assert sorted(p.name for p in figures.iterdir()) == ["04_compile_modes.png"]  # its own figures only
+    assert reference.unpack(archive, root=here.parent, figures=figures) == here  # the same delta again: harmless
+    assert reference.status_markdown(here.parent).count("| done |") == 3
+    # a plain pack of the merged folder is a full archive again: every file, no marker
+    with tarfile.open(reference.pack(here)) as tar:
+        assert {n.split("/", 1)[1] for n in tar.getnames() if "/" in n} == files
+
+
+def test_a_delta_over_a_missing_folder_or_one_it_did_not_start_from_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    here, archive = _resumed_run(tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match=r"which is missing here\. Fix: unpack the earlier archives .* or check out "
+                                         r"the commit that has it"):
+        reference.unpack(archive, root=tmp_path / "elsewhere", figures=tmp_path / "figures")
+    assert not (tmp_path / "elsewhere" / "h100-80gb-hbm3").exists()
+    # here, after another archive from the same start was unpacked: its parts.json would be written over
+    status = json.loads((here / "parts.json").read_text())
+    (here / "parts.json").write_text(json.dumps({**status, "nb-03": {"status": "done", "seconds": 300.0}}))
+    (here / "tests.log").unlink()
+    with pytest.raises(ValueError, match=r"1 missing here \(tests.log\) and 1 different here \(parts.json\).*Fix: "
+                                         r"unpack the archives in the order they were made"):
+        reference.unpack(archive, root=here.parent, figures=tmp_path / "figures")
+    assert not (here / "notebooks" / "04_torch_compile.ipynb").exists()  # refused before anything was written
+    reference.unpack(archive, root=here.parent, figures=tmp_path / "figures", force=True)
+    assert (here / "notebooks" / "04_torch_compile.ipynb").exists()
+    proc = subprocess.run([sys.executable, "-m", "ddpm_core.reference", "unpack", str(archive)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "DDPM_REFERENCE_DIR": str(tmp_path / "cli-root"),
+                                                       "DDPM_FIGURES_DIR": str(tmp_path / "cli-figures")})
+    assert proc.returncode == 1 and "which is missing here. Fix: unpack the earlier archives" in proc.stderr
+    # a delta that holds meta.json (a run that redid meta) makes a missing folder only when told to
+    again = _committed_folder(tmp_path / "again" / "h100-80gb-hbm3")
+    reference.record_base(again)
+    (again / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "mode": "full"}))
+    with pytest.raises(ValueError, match=r"missing here.*`unpack --force` makes the folder from this archive alone"):
+        reference.unpack(reference.pack(again, delta=True), root=tmp_path / "new", figures=tmp_path / "figures")
+    made = reference.unpack(again.parent / "h100-80gb-hbm3.tar.gz", root=tmp_path / "new", figures=tmp_path / "figures",
+                            force=True)
+    assert [p.name for p in made.iterdir()] == ["meta.json"]  # what it holds, and no DELTA.json
+
+
+def test_a_first_run_packs_a_full_archive_and_a_full_archive_still_replaces_the_folder(tmp_path, monkeypatch):
+    def nb02(out, smoke, prefixes, only, keep_going=False):
+        (out / "notebooks").mkdir(exist_ok=True)
+        (out / "notebooks" / "02_profile_the_baseline.ipynb").write_text("{}")
+        (out / "meta.json").write_text(json.dumps({"device_name": "cpu", "mode": "smoke"}))
+        (out / reference.DELTA).write_text("{}")  # a stray marker (a delta extracted by hand) is never packed
+        return {}
+
+    monkeypatch.setattr(reference, "_part_notebooks", nb02)
+    out = tmp_path / "device" / "ref"
+    reference.run(out, smoke=True, parts=["nb-02"], archive_to=tmp_path / "OUT")  # into an empty folder
+    archive = tmp_path / "OUT" / "ref.tar.gz"
+    with tarfile.open(archive) as tar:
+        assert set(tar.getnames()) == {"ref", "ref/parts.json", "ref/meta.json", "ref/notebooks/02_profile_the_baseline.ipynb"}
+    old = _committed_folder(tmp_path / "here" / "ref")
+    assert reference.unpack(archive, root=old.parent, figures=tmp_path / "figures") == old
+    assert {p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file()} == {
+        "parts.json", "meta.json", "notebooks/02_profile_the_baseline.ipynb"}  # replaced, as before deltas
+    # an archive without meta.json is refused before the folder here is touched
+    import shutil
+    shutil.rmtree(old / "notebooks")
+    (old / "meta.json").unlink()
+    bad = reference.pack(old)
+    shutil.rmtree(old)
+    kept = _committed_folder(old)
+    with pytest.raises(ValueError, match="holds no meta.json"):
+        reference.unpack(bad, root=old.parent, figures=tmp_path / "figures")
+    assert (kept / "meta.json").exists() and (kept / "traces" / "02_baseline").is_dir()
+
+
+def test_a_delta_over_the_limit_names_its_biggest_files_and_the_fix(tmp_path, monkeypatch):
+    folder = _committed_folder(tmp_path / "ref")
+    with pytest.raises(RuntimeError, match="no run recorded"):  # `pack --delta` where no run started
+        reference.pack(folder, delta=True)
+    reference.record_base(folder)
+    (folder / "notebooks" / "09_putting_it_together.ipynb").write_bytes(os.urandom(30_000))
+    (folder / "traces" / "09_stage").mkdir()
+    (folder / "traces" / "09_stage" / "rank0.pt.trace.json.gz").write_bytes(os.urandom(20_000))
+    monkeypatch.setattr(reference, "ARCHIVE_LIMIT_BYTES", 40_000)
+    with pytest.raises(RuntimeError) as err:
+        reference.pack(folder, delta=True)
+    said = str(err.value)
+    assert "2 new or changed files of 9" in said and "Fix: run fewer parts per command" in said
+    assert said.index("notebooks/09_putting_it_together.ipynb") < said.index("traces/09_stage/rank0.pt.trace.json.gz")
+    assert "02_baseline" not in said  # the base's files are not in the archive: not named
