@@ -24,7 +24,8 @@ Layout of one reference folder::
     meta.json          GPU name and memory, driver, CUDA, cuDNN, torch, python, date, git commit, mode
     parts.json         each part's status, wall seconds and error
     tests.log          the output of the ``gpu``-marked tests that are not ``slow`` (pytest -m "gpu and not slow")
-    tests-slow.log     the output of the ``gpu`` and ``slow`` ones: those that compile (CUDA graphs, max-autotune)
+    tests-slow.log     the output of the ``gpu`` and ``slow`` ones: those that compile (CUDA graphs)
+    tests-autotune.log the output of the ``gpu`` and ``autotune`` one: a training run compiled with max-autotune
     results.csv        every notebook's measurement rows (columns: see data/README.md)
     notebooks/         the executed notebooks, with their outputs
     figures/           the figures of the run, titled with its device
@@ -82,7 +83,10 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
 }
 # The gpu tests in two parts: on the H100 (2026-11-26) one cold reduce-overhead compile of the tiny model took 55 s
 # and the max-autotune test ran past 160 s, so all of them together do not fit one part.
-GPU_TEST_PARTS = {"gpu-tests": ("gpu and not slow", "tests.log"), "gpu-tests-slow": ("gpu and slow", "tests-slow.log")}
+# The max-autotune one (estimated at 3-5 minutes alone) goes in a third part, for a session with minutes to spare.
+GPU_TEST_PARTS = {"gpu-tests": ("gpu and not slow", "tests.log"),
+                  "gpu-tests-slow": ("gpu and slow and not autotune", "tests-slow.log"),
+                  "gpu-tests-autotune": ("gpu and autotune", "tests-autotune.log")}
 PARTS = ["meta", *GPU_TEST_PARTS, *NOTEBOOK_PARTS, "pack"]
 SELF_ENV = "DDPM_REFERENCE_SELF"  # set while the reference run executes the notebooks
 IS_REFERENCE = "This executed copy is the reference run itself"  # how self_line() begins, whatever the machine

@@ -54,7 +54,8 @@ def _graph_pool_bytes() -> int:
 
 # ------------------------------------------------------------------------------ CUDA graphs
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, precision", [("reduce-overhead", "bf16"), ("max-autotune", "tf32")])
+@pytest.mark.parametrize("mode, precision", [("reduce-overhead", "bf16"),
+                                             pytest.param("max-autotune", "tf32", marks=pytest.mark.autotune)])
 def test_train_under_cuda_graphs_keeps_every_steps_loss(tmp_path, mode, precision):
     """train() holds 20 losses before it reads them. They used to be views of the graph's one output
     buffer, all overwritten by the last replay; max-autotune with TF32 used to raise in Inductor."""

@@ -34,7 +34,7 @@ def test_the_reference_command_writes_a_complete_folder(smoke_reference):
     assert meta["mode"] == "smoke"
     status = json.loads((out / "parts.json").read_text())
     assert [p for p in reference.PARTS if status[p]["status"] != "done"] == []
-    for log_name in ("tests.log", "tests-slow.log"):  # without a GPU: not run, and says why
+    for log_name in ("tests.log", "tests-slow.log", "tests-autotune.log"):  # without a GPU: not run, and says why
         assert "passed" in (out / log_name).read_text() or "skipped" in (out / log_name).read_text()
     for nb in NOTEBOOKS:
         assert (out / "notebooks" / nb.name).exists(), nb.name
@@ -451,10 +451,19 @@ def test_status_lists_every_part_and_quotes_the_lines_the_notebooks_printed(tmp_
     assert reference.status_markdown(tmp_path / "none") == reference.NO_REFERENCE
 
 
-def test_the_gpu_tests_go_in_two_parts_that_together_select_every_gpu_test():
-    assert {m for m, _ in reference.GPU_TEST_PARTS.values()} == {"gpu and not slow", "gpu and slow"}
-    assert len({log for _, log in reference.GPU_TEST_PARTS.values()}) == 2
-    assert reference.PARTS[:3] == ["meta", "gpu-tests", "gpu-tests-slow"]
+def test_the_gpu_tests_go_in_three_parts_that_together_select_every_gpu_test_once():
+    assert len({log for _, log in reference.GPU_TEST_PARTS.values()}) == 3
+    assert reference.PARTS[:4] == ["meta", "gpu-tests", "gpu-tests-slow", "gpu-tests-autotune"]
+
+    def collected(expr):
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", expr, "-p", "no:cacheprovider",
+                              "tests/test_gpu.py"], cwd=series.REPO_ROOT, capture_output=True, text=True).stdout
+        return [line for line in out.splitlines() if "::" in line]
+
+    every = collected("gpu")
+    parts = [collected(expr) for expr, _ in reference.GPU_TEST_PARTS.values()]
+    assert sorted(sum(parts, [])) == sorted(every) and len(every) > 20  # each gpu test in exactly one part
+    assert [t.split("::")[1] for t in parts[2]] == ["test_train_under_cuda_graphs_keeps_every_steps_loss[max-autotune-tf32]"]
 
 
 def test_gpu_call_detach_runs_on_past_its_command_and_attach_collects_what_it_wrote(tmp_path):
