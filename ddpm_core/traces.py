@@ -233,6 +233,13 @@ def op_categories(cpu_ops: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("sum", ascending=False, ignore_index=True)
 
 
+def _step_spans(events: list[dict]) -> list[dict]:
+    """The host's ``ProfilerStep#N`` spans: one per profiled step. On a GPU trace Kineto writes each of them a second
+    time on the GPU's row (category ``gpu_user_annotation``), which a step count must not count again."""
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"
+            and str(e.get("name", "")).startswith("ProfilerStep#")]
+
+
 def _cpu_temporal(traces: dict[int, dict]) -> pd.DataFrame:
     """Per rank, how the profiled steps' wall time on the main thread splits into compute
     operators (convolutions, matmuls), other operators, and time outside any operator (Python,
@@ -240,7 +247,7 @@ def _cpu_temporal(traces: dict[int, dict]) -> pd.DataFrame:
     rows = []
     for rank, trace in traces.items():
         evs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-        steps = [e for e in evs if str(e.get("name", "")).startswith("ProfilerStep#")]
+        steps = _step_spans(evs)
         if not steps:
             continue
         tid = steps[0].get("tid")
@@ -376,7 +383,7 @@ def events_per_step(trace_dir: str | Path) -> pd.DataFrame:
     rows = []
     for rank, trace in raw.items():
         evs = trace["traceEvents"]
-        steps = sum(1 for e in evs if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#"))
+        steps = len(_step_spans(evs))
         kernels = sum(1 for e in evs if e.get("cat") == "kernel")
         ops = sum(1 for e in evs if e.get("cat") == "cpu_op")
         rows.append({"rank": rank, "steps": steps, "gpu_kernels_per_step": kernels / max(steps, 1),

@@ -43,6 +43,14 @@ def gpu_trace_from_cpu(src: Path, dst: Path, *, kernel_us: float = 40.0, launch_
                                "warps per SM": 4.0, "grid": [64, 1, 1], "block": [256, 1, 1],
                                "est. achieved occupancy %": 50}})
         gpu_free = start + kernel_us
+    # Kineto mirrors each record_function span that launched GPU work onto the GPU's row (category
+    # gpu_user_annotation), ProfilerStep#N included: a second event of that name per step, which a step count must skip
+    for step in (e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")):
+        inside = [k for k in added if k["cat"] == "kernel" and step["ts"] <= k["ts"] - launch_us - gap_us <= step["ts"] + step["dur"]]
+        if inside:
+            added.append({"ph": "X", "cat": "gpu_user_annotation", "name": step["name"], "pid": 0, "tid": 7,
+                          "ts": inside[0]["ts"], "dur": inside[-1]["ts"] + kernel_us - inside[0]["ts"],
+                          "args": {"External id": step.get("args", {}).get("External id", 0)}})
     events += added + [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "python"}},
                        {"ph": "M", "name": "process_labels", "pid": 0, "tid": 0, "args": {"labels": "GPU 0"}}]
     if drop_step_markers:

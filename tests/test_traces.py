@@ -189,6 +189,19 @@ def test_hta_reads_a_gpu_trace_through_a_relative_path(gpu_trace_dir, monkeypatc
     assert rep.kernels is not None and rep.idle is not None and rep.launch is not None
 
 
+def test_events_per_step_counts_each_profiled_step_once_on_a_gpu_trace(gpu_trace_dir, cpu_capture):
+    """Kineto writes each ProfilerStep#N span twice on a GPU trace (the host's, and a gpu_user_annotation on the GPU's
+    row): counting both halved 04's kernels and operators per step."""
+    trace = _load(next(gpu_trace_dir.glob("*.json.gz")))["traceEvents"]
+    on_gpu = [e for e in trace if e.get("cat") == "gpu_user_annotation" and e["name"].startswith("ProfilerStep#")]
+    assert on_gpu  # the synthetic trace carries the device-side copies, as a real one does
+    kernels = sum(1 for e in trace if e.get("cat") == "kernel")
+    row = traces.events_per_step(gpu_trace_dir).iloc[0]
+    active = len([e for e in _load(cpu_capture.trace_path)["traceEvents"] if e.get("ph") == "X"
+                  and e["name"].startswith("ProfilerStep#")])
+    assert row["steps"] == active and row["gpu_kernels_per_step"] == kernels / active
+
+
 def test_launch_summary_separates_launch_cost_from_queueing(cpu_capture, tmp_path):
     from gpu_trace import gpu_trace_from_cpu
 
