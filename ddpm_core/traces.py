@@ -321,8 +321,12 @@ def _run_hta(report: TraceReport) -> None:
     try:
         with _quiet():
             hta = TraceAnalysis(trace_files={r: str(Path(p).resolve()) for r, p in report.trace_files.items()})
-    except Exception as e:  # noqa: BLE001 - report which folder HTA choked on
-        raise TraceError(f"HTA could not parse the traces in {report.trace_dir}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a note, not a crash: the report's own tables (cpu_ops, ...) still hold
+        # The notebooks read a missing HTA table as "not available" and say so; a raise here would stop the notebook
+        # (and a reference part on a GPU machine) for an analysis that only illustrates it.
+        report.notes.append(f"HTA could not parse the traces in {report.trace_dir} ({type(e).__name__}: {e}), so its "
+                            "analyses are missing from this report; the operator tables come from the trace itself.")
+        return
 
     def attempt(what: str, call):
         try:

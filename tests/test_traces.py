@@ -189,6 +189,20 @@ def test_hta_reads_a_gpu_trace_through_a_relative_path(gpu_trace_dir, monkeypatc
     assert rep.kernels is not None and rep.idle is not None and rep.launch is not None
 
 
+def test_a_trace_hta_cannot_parse_gives_a_report_with_a_note_not_an_exception(gpu_trace_dir, monkeypatch):
+    """HTA's parse of a real GPU trace had never run when the reference went to the GPU: a failure there must leave the
+    notebook running (its HTA tables missing, said in a note), not stop it and the reference part with it."""
+    import hta.trace_analysis
+
+    def broken(*args, **kwargs):
+        raise KeyError("ts")
+
+    monkeypatch.setattr(hta.trace_analysis, "TraceAnalysis", broken)
+    rep = traces.analyze(gpu_trace_dir, verbose=False)
+    assert rep.has_gpu and rep.temporal is None and rep.kernels is None and rep.cpu_ops is not None
+    assert any("HTA could not parse the traces" in n and "KeyError" in n for n in rep.notes)
+
+
 def test_events_per_step_counts_each_profiled_step_once_on_a_gpu_trace(gpu_trace_dir, cpu_capture):
     """Kineto writes each ProfilerStep#N span twice on a GPU trace (the host's, and a gpu_user_annotation on the GPU's
     row): counting both halved 04's kernels and operators per step."""
