@@ -401,9 +401,9 @@ def trim_trace(src: Path, dst: Path, steps: int = TRACE_STEPS) -> dict[str, int]
     with gzip.open(src, "rt") if src.name.endswith(".gz") else open(src) as f:
         trace = json.load(f)
     events = trace["traceEvents"]
-    marks = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#") and e.get("ph") == "X"
-                    and e.get("cat") != "gpu_user_annotation"),  # the host's spans: Kineto copies each onto the GPU's row
-                   key=lambda e: e["ts"])
+    from .traces import step_spans
+
+    marks = sorted(step_spans(events), key=lambda e: e["ts"])  # the host's spans: Kineto copies each onto the GPU's row
     if len(marks) > steps:
         start, end = marks[0]["ts"], marks[steps - 1]["ts"] + marks[steps - 1].get("dur", 0)
         device_cats = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}

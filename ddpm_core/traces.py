@@ -233,7 +233,7 @@ def op_categories(cpu_ops: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("sum", ascending=False, ignore_index=True)
 
 
-def _step_spans(events: list[dict]) -> list[dict]:
+def step_spans(events: list[dict]) -> list[dict]:
     """The host's ``ProfilerStep#N`` spans: one per profiled step. On a GPU trace Kineto writes each of them a second
     time on the GPU's row (category ``gpu_user_annotation``), which a step count must not count again."""
     return [e for e in events if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"
@@ -247,7 +247,7 @@ def _cpu_temporal(traces: dict[int, dict]) -> pd.DataFrame:
     rows = []
     for rank, trace in traces.items():
         evs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-        steps = _step_spans(evs)
+        steps = step_spans(evs)
         if not steps:
             continue
         tid = steps[0].get("tid")
@@ -387,7 +387,7 @@ def events_per_step(trace_dir: str | Path) -> pd.DataFrame:
     rows = []
     for rank, trace in raw.items():
         evs = trace["traceEvents"]
-        steps = len(_step_spans(evs))
+        steps = len(step_spans(evs))
         kernels = sum(1 for e in evs if e.get("cat") == "kernel")
         ops = sum(1 for e in evs if e.get("cat") == "cpu_op")
         rows.append({"rank": rank, "steps": steps, "gpu_kernels_per_step": kernels / max(steps, 1),
