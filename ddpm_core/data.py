@@ -367,14 +367,16 @@ def get_dataset(
 
 
 def describe_dataset(dataset: Dataset) -> str:
-    """What a dataset is, for figure titles: "CIFAR-10 (50,000 images)", "synthetic shapes (10,000 images)", ..."""
+    """What a dataset is, for figure titles: "50,000 CIFAR-10 images", "10,000 generated synthetic images", ...
+
+    No parentheses of its own: the titles and tables that quote it often put it inside theirs."""
     if isinstance(dataset, CIFAR10Images):
-        return f"CIFAR-10 ({len(dataset):,} images)"
+        return f"{len(dataset):,} CIFAR-10 images"
     if isinstance(dataset, FolderImages):
         if (dataset.root / "MANIFEST.json").is_file() and dataset.root.parent.name == "synthetic":
-            return f"synthetic shapes ({len(dataset):,} generated images)"
-        return f"image folder {dataset.root.name}/ ({len(dataset):,} images)"
-    return f"{type(dataset).__name__} ({len(dataset):,} images)"
+            return f"{len(dataset):,} generated synthetic images"
+        return f"{len(dataset):,} images from the folder {dataset.root.name}/"
+    return f"{len(dataset):,} {type(dataset).__name__} images"
 
 
 def dataset_as_tensor(dataset: Dataset, progress: bool = True) -> torch.Tensor:
@@ -538,6 +540,30 @@ def forever(loader: "Loader | DeviceLoader", start_epoch: int = 0) -> Iterator[t
         epoch += 1
 
 
+def check_shared_memory(num_workers: int, prefetch: int, batch_size: int, mode: str = "float",
+                        shm: str | os.PathLike = "/dev/shm") -> None:
+    """Refuse, before any worker starts, a loader whose batches in flight cannot fit in shared memory.
+
+    DataLoader workers hand their batches to the main process through shared memory (``/dev/shm`` on Linux):
+    up to ``num_workers * prefetch`` of them at once. A container's default ``/dev/shm`` (64 MiB under Docker)
+    holds fewer than that at a large batch, and the workers then die with a bus error in the middle of a run.
+    Where the folder does not exist (macOS, Windows) there is nothing to check.
+    """
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        return
+    per_image = 3 * IMAGE_SIZE * IMAGE_SIZE * (4 if mode == "float" else 1)
+    need = 2 * num_workers * prefetch * batch_size * per_image  # 2x: a batch is copied while the next is written
+    if need > free:
+        mib = 2**20
+        raise RuntimeError(
+            f"{num_workers} DataLoader workers with prefetch_factor {prefetch} at batch {batch_size} ({mode} batches) "
+            f"need about {need / mib:.0f} MiB of shared memory in {shm}, and it has {free / mib:.0f} MiB free. "
+            "Lower num_workers or prefetch_factor, use mode='uint8' (a quarter of the bytes), or give the machine more "
+            "shared memory (in a Docker container: `docker run --shm-size=1g ...`).")
+
+
 def make_loader(
     dataset: Dataset,
     batch_size: int,
@@ -585,6 +611,8 @@ def make_loader(
         return DeviceLoader(dataset_as_tensor(dataset), batch_size, device, sampler, drop_last=drop_last)
     if pin_memory and device.type != "cuda":
         pin_memory = False  # pinning only helps host-to-GPU copies
+    if num_workers:
+        check_shared_memory(num_workers, prefetch_factor or 2, batch_size, mode)
     return Loader(
         dataset, batch_size, device, mode,
         num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,

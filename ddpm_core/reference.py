@@ -150,10 +150,17 @@ def meta(folder: Path) -> dict:
     return json.loads((Path(folder) / "meta.json").read_text())
 
 
+def device_words(m: dict, folder: Path | str = "?") -> str:
+    """The reference's GPU as a reader should see it: "NVIDIA H100 80GB HBM3", or "..., capped at 16 GiB" for a
+    smaller card rehearsed on it (DDPM_GPU_MEMORY_GB)."""
+    cap = m.get("gpu_memory_cap_gib")
+    return str(m.get("device_name", Path(folder).name)) + (f", capped at {float(cap):g} GiB" if cap else "")
+
+
 def label(folder: Path) -> str:
     """"reference: NVIDIA H100 80GB HBM3 · torch 2.x · <date>" for figure titles."""
     m = meta(folder)
-    parts = [f"reference: {m.get('device_name', Path(folder).name)}", f"torch {m.get('torch_version', '?')}"]
+    parts = [f"reference: {device_words(m, folder)}", f"torch {m.get('torch_version', '?')}"]
     if m.get("date"):
         parts.append(str(m["date"])[:10])
     if m.get("mode") == "smoke":
@@ -235,7 +242,7 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
         ref_label = label(folder)
         mode = " in smoke mode (a stand-in made without a GPU)" if m.get("mode") == "smoke" else ""
         display(Markdown(
-            f"### On {m.get('device_name', folder.name)} (reference run, not this machine)\n\n"
+            f"### On {device_words(m, folder)} (reference run, not this machine)\n\n"
             f"Everything above this heading was measured on this machine. Everything below comes from the "
             f"reference run{mode}: {ref_label}, git commit `{str(m.get('git_commit', '?'))[:10]}`, "
             f"committed in `data/reference/{folder.name}/`."
@@ -366,7 +373,7 @@ def status_markdown(root: Path | None = None) -> str:
     for folder in runs:
         m = meta(folder)
         status = json.loads((folder / "parts.json").read_text()) if (folder / "parts.json").exists() else {}
-        lines = [f"**{m.get('device_name', folder.name)}**, torch {m.get('torch_version', '?')}, CUDA "
+        lines = [f"**{device_words(m, folder)}**, torch {m.get('torch_version', '?')}, CUDA "
                  f"{m.get('cuda_version', '?')}, started {str(m.get('date', '?'))[:10]}, commit "
                  f"`{str(m.get('git_commit') or '?')[:7]}` (`data/reference/{folder.name}/`):", "",
                  "| part | status | wall time | notebooks | finished (commit) |", "|---|---|---|---|---|"]
@@ -448,8 +455,13 @@ def default_out(smoke: bool) -> Path:
 
     if not torch.cuda.is_available():
         return reference_dir() / ("cpu-smoke" if smoke else "cpu-full")
-    # a smoke run on a GPU (the shakedown) must never land in, or collide with, that GPU's full reference
-    return reference_dir() / (slug(torch.cuda.get_device_name(0)) + ("-smoke" if smoke else ""))
+    from .env import memory_cap_gib
+
+    # a smoke run on a GPU (the shakedown), or a smaller card rehearsed on this one (DDPM_GPU_MEMORY_GB), must never
+    # land in, or collide with, that GPU's full reference
+    cap = memory_cap_gib()
+    return reference_dir() / (slug(torch.cuda.get_device_name(0)) + (f"-cap{cap:g}gib" if cap else "")
+                              + ("-smoke" if smoke else ""))
 
 
 def _now() -> str:

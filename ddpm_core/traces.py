@@ -405,7 +405,8 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
     (no calls before), "vanished" (no calls after), "more calls", "fewer calls" or "same calls".
     (HTA's own code, kept as ``hta code``, is only the sign of the count change: "+" for more calls,
     whether or not the row is new.) ``gpu`` None: kernels when both traces have GPU kernels,
-    operators otherwise.
+    operators otherwise. ``attrs["compared"]`` says which ("kernels" or "operators"): where HTA cannot compare the
+    kernels of two GPU traces, the operators are compared instead and ``attrs["note"]`` says why.
     """
     from hta.trace_diff import DeviceType, TraceDiff
 
@@ -415,9 +416,19 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
             raise TraceError(f"no trace files (*.pt.trace.json[.gz]) in {folder}: capture one with profiling.capture")
     if gpu is None:
         gpu = all(_has_gpu_kernels({0: _load_json(_trace_files(f)[0])}) for f in (before, after))
-    with _quiet():
-        df = TraceDiff.compare_traces(str(before), str(after), device_type=DeviceType.GPU if gpu else DeviceType.CPU,
-                                      use_short_name=True)
+    note = ""
+    try:
+        with _quiet():
+            df = TraceDiff.compare_traces(str(before), str(after), device_type=DeviceType.GPU if gpu else DeviceType.CPU,
+                                          use_short_name=True)
+    except Exception as e:  # noqa: BLE001 - HTA has not met every real trace; the operators still tell the story
+        if not gpu:
+            raise TraceError(f"HTA's TraceDiff could not compare {before} and {after} ({type(e).__name__}: {e})") from e
+        note = (f"HTA's TraceDiff could not compare the GPU kernels of these traces ({type(e).__name__}: {e}), so this "
+                "table compares their CPU operators instead.")
+        gpu = False
+        with _quiet():
+            df = TraceDiff.compare_traces(str(before), str(after), device_type=DeviceType.CPU, use_short_name=True)
     df = df.rename(columns={"Control_counts": "calls before", "Test_counts": "calls after",
                             "Control_total_duration": "time before (us)", "Test_total_duration": "time after (us)",
                             "diff_counts": "calls change", "diff_duration": "time change (us)",
@@ -429,7 +440,9 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
         df = df[df.index.astype(str).str.startswith("aten::")]
     df = df.reindex(df["time change (us)"].abs().sort_values(ascending=False).index).head(top)
     df = df.reset_index()
-    return df.rename(columns={df.columns[0]: "name"})
+    df = df.rename(columns={df.columns[0]: "name"})
+    df.attrs.update(compared="kernels" if gpu else "operators", note=note)  # what the rows are, and why if not kernels
+    return df
 
 
 def diff_summary(changed: pd.DataFrame, what: str = "operators") -> str:

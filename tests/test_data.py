@@ -167,6 +167,28 @@ def test_loader_arguments_are_checked(synthetic_folder):
         D.get_dataset("imagenet")
 
 
+def test_workers_that_would_overflow_shared_memory_are_refused_before_they_start(synthetic_folder, monkeypatch):
+    """Docker's default /dev/shm (64 MiB) cannot hold 16 workers' prefetched float batches of 256 (07's full grid):
+    the workers would die with a bus error mid-run. make_loader says so, and how to fix it, before starting any."""
+    import collections
+
+    ds = D.FolderImages(synthetic_folder)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(D.shutil, "disk_usage", lambda path: usage(64 * 2**20, 0, 64 * 2**20))
+    started = []
+    monkeypatch.setattr(D, "Loader", lambda *a, **k: started.append(1))
+    with pytest.raises(RuntimeError, match=r"16 DataLoader workers .* need about 192 MiB of shared memory in /dev/shm, "
+                                           r"and it has 64 MiB free\. Lower num_workers .*--shm-size"):
+        D.make_loader(ds, 256, num_workers=16)  # the fixture's 256 images: one batch
+    assert not started
+    D.make_loader(ds, 8, num_workers=16)  # 6 MiB in flight: fits
+    D.make_loader(ds, 256, mode="device")  # no workers: nothing to check
+    assert len(started) == 1
+    D.check_shared_memory(16, 2, 256, mode="uint8")  # a quarter of the bytes: 48 MiB fits
+    monkeypatch.setattr(D.shutil, "disk_usage", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
+    D.check_shared_memory(16, 2, 4096)  # no /dev/shm (macOS, Windows): nothing to check
+
+
 def test_forever_moves_to_the_next_epoch_when_one_ends(synthetic_folder):
     ds = D.FolderImages(synthetic_folder)
     loader = D.make_loader(ds, 128, seed=0)  # 2 batches per epoch

@@ -294,6 +294,13 @@ def test_a_smoke_run_on_a_gpu_gets_its_own_folder_beside_the_gpus_reference(monk
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
     assert reference.default_out(smoke=False) == tmp_path / "h100-80gb-hbm3"
     assert reference.default_out(smoke=True) == tmp_path / "h100-80gb-hbm3-smoke"
+    # a 16 GB card rehearsed on it (issue: every notebook on a T4) gets a folder of its own, labelled as such
+    monkeypatch.setenv("DDPM_GPU_MEMORY_GB", "16")
+    assert reference.default_out(smoke=False) == tmp_path / "h100-80gb-hbm3-cap16gib"
+    (tmp_path / "capped").mkdir()
+    (tmp_path / "capped" / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch_version": "2.11",
+                                                              "gpu_memory_cap_gib": 16.0}))
+    assert reference.label(tmp_path / "capped").startswith("reference: NVIDIA H100 80GB HBM3, capped at 16 GiB · torch 2.11")
 
 
 def test_gpu_call_without_parts_says_how_to_name_them_before_doing_anything(tmp_path):
@@ -509,7 +516,7 @@ def test_the_readme_gpu_table_states_a_stage_ratio_only_where_09_would(tmp_path)
     (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "mode": "full"}))
     row = dict(notebook="09_putting_it_together", device_name="NVIDIA H100 80GB HBM3", precision="bf16", iters=10,
                tflops=100.0, mfu=0.101, peak="H100 SXM bf16 dense peak 989.4 TFLOP/s", peak_memory_gib=10.0,
-               memory_kind="peak allocated (CUDA)")
+               memory_kind="peak allocated, CUDA")
     stages = [  # name, batch, median, p10, p90
         ("baseline", 128, 100.0, 99.0, 101.0),
         ("+ apart", 128, 50.0, 49.0, 51.0),        # 2.00x: the ranges lie far apart

@@ -328,8 +328,34 @@ def test_trace_diff_shows_the_operators_an_optimization_removed_and_added(tmp_pa
     assert set(kept["change"]) <= {"more calls", "fewer calls", "same calls"}
     assert all(n.startswith("aten::") for n in rows.index)
     assert plots.trace_diff_bars(d.head(8)) is not None
+    assert d.attrs == {"compared": "operators", "note": ""}
     with pytest.raises(traces.TraceError, match="no trace files"):
         traces.diff(tmp_path / "math", tmp_path / "nothing-here")
+
+
+def test_a_gpu_trace_diff_that_hta_cannot_make_falls_back_to_operators_and_says_why(tmp_path, monkeypatch):
+    """HTA's kernel diff has not met every real GPU trace: where it raises, the notebooks (04, 09) still get a table,
+    of the operators, with a note; a failing CPU diff is a TraceError that names both folders."""
+    from hta.trace_diff import DeviceType, TraceDiff
+
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    for attention in ("math", "sdpa"):
+        t = build(tiny_config(tmp_path, attention=attention, batch_size=2))
+        profiling.capture(t.train_step, x, out_dir=tmp_path / attention, wait=1, warmup=1, active=1)
+    real = TraceDiff.compare_traces
+
+    def kernels_fail(control, test, device_type=DeviceType.CPU, **kw):
+        if device_type == DeviceType.GPU:
+            raise KeyError("stream")
+        return real(control, test, device_type=device_type, **kw)
+
+    monkeypatch.setattr(TraceDiff, "compare_traces", staticmethod(kernels_fail))
+    d = traces.diff(tmp_path / "math", tmp_path / "sdpa", gpu=True)
+    assert d.attrs["compared"] == "operators" and "KeyError" in d.attrs["note"] and "CPU operators" in d.attrs["note"]
+    assert len(d) and all(n.startswith("aten::") for n in d["name"])
+    monkeypatch.setattr(TraceDiff, "compare_traces", staticmethod(lambda *a, **k: (_ for _ in ()).throw(ValueError("x"))))
+    with pytest.raises(traces.TraceError, match="could not compare .*math.* and .*sdpa"):
+        traces.diff(tmp_path / "math", tmp_path / "sdpa")
 
 
 def test_per_rank_turns_hta_wide_tables_to_one_column_per_rank():

@@ -161,7 +161,7 @@ def test_max_seconds_ends_the_run_after_the_step_that_reaches_it_and_checkpoints
     assert result.stopped_by_time and 1 <= steps < 100_000 and result.seconds >= 1.0
     assert [s for s, _ in result.losses] == list(range(1, steps + 1))
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == [f"step-{steps:08d}.pt"]
-    assert result.dataset == "synthetic shapes (256 generated images)"
+    assert result.dataset == "256 generated synthetic images"
     assert not train(tiny_config(tmp_path / "short", steps=3, max_seconds=600)).stopped_by_time
 
 
