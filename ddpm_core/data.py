@@ -554,7 +554,7 @@ def check_shared_memory(num_workers: int, prefetch: int, batch_size: int, mode: 
     except OSError:
         return
     per_image = 3 * IMAGE_SIZE * IMAGE_SIZE * (4 if mode == "float" else 1)
-    need = 2 * num_workers * prefetch * batch_size * per_image  # 2x: a batch is copied while the next is written
+    need = (num_workers * prefetch + 1) * batch_size * per_image  # every batch in flight, and the one being received
     if need > free:
         mib = 2**20
         raise RuntimeError(

@@ -61,6 +61,10 @@ REFERENCE_DIR = REPO_ROOT / "data" / "reference"
 # one command and gives each notebook its whole deadline through DDPM_PART_BUDGET_S.
 PART_BUDGET_S = int(os.environ.get("DDPM_PART_BUDGET_S") or 8 * 60)
 ARCHIVE_LIMIT_BYTES = 15 * 2**20
+# A run that packs after every part (``--archive-to``) closes an archive once it holds this much and starts the next
+# one from there, so that no archive holds more than this plus one part (nb-02's traces are several MB), and a part
+# too big to pack loses only its own archive. A device command returns at most 8 files.
+SEGMENT_BYTES = 4 * 2**20
 TRACE_STEPS = 3  # ProfilerSteps kept per trimmed trace (HTA drops the last one)
 WORK = "_work"  # scratch inside the folder (runs, per-notebook results): never packed or committed
 BASE_MANIFEST = "base-manifest.json"  # in WORK: the folder's files as a run found them, what its archives leave out
@@ -468,6 +472,10 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _now_us() -> str:  # orders two archives made within one second (a chain's links, two copies of one)
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -636,13 +644,15 @@ def manifest(out: Path) -> dict[str, dict]:
     return files
 
 
-def record_base(out: Path) -> Path:
-    """Write WORK/base-manifest.json: the folder's files as this run finds them, before its first part.
+def record_base(out: Path, run: str | None = None) -> Path:
+    """Write WORK/base-manifest.json: the folder's files as this run finds them, before its first part (or, with
+    ``run``, the id of the run whose next archive starts here: ``run --archive-to`` chains its archives).
 
     ``pack(out, delta=True)`` packs only the files that are new or changed since: what this run added."""
     path = Path(out) / WORK / BASE_MANIFEST
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"recorded": _now(), "files": manifest(out)}, indent=0))
+    now = _now()
+    path.write_text(json.dumps({"recorded": now, "run": run or now, "files": manifest(out)}, indent=0))
     return path
 
 
@@ -656,16 +666,18 @@ def _git_commit(out: Path) -> str | None:
         return None
 
 
-def pack(out: Path, delta: bool = False) -> Path:
+def pack(out: Path, delta: bool = False, archive: Path | None = None, segment: int = 1) -> Path:
     """``<out>.tar.gz`` of the folder without its scratch; fails naming the biggest files past 15 MB.
 
     ``delta``: only the files that are new or changed since the run recorded its base (``record_base``, at the start
     of ``run``), with a DELTA.json at the top naming the base, so that an archive holds one run's work, never the
     whole reference (13 executed notebooks with their figures and the traces are well over 15 MB). Where that base
     is empty (a run into a new folder) the archive is a full one, as is every archive of ``delta=False``.
+    ``archive``: where to write it (default ``<out>.tar.gz`` beside the folder), written whole or not at all;
+    ``segment``: its place in its run's chain of archives (``run --archive-to``), which ``unpack`` follows.
     """
     out = Path(out)
-    archive = out.parent / f"{out.name}.tar.gz"
+    archive = Path(archive) if archive is not None else out.parent / f"{out.name}.tar.gz"
     now = manifest(out)
     marker = None
     if delta:
@@ -673,10 +685,12 @@ def pack(out: Path, delta: bool = False) -> Path:
         if not base_path.exists():
             raise RuntimeError(f"{out} holds no {WORK}/{BASE_MANIFEST}: no run recorded what the folder held before it. "
                                f"Fix: pack the whole folder (without --delta), or pack during `run --archive-to`.")
-        base = json.loads(base_path.read_text())["files"]
+        recorded = json.loads(base_path.read_text())
+        base = recorded["files"]
         if base:
             files = [rel for rel, f in now.items() if base.get(rel, {}).get("sha1") != f["sha1"]]
-            marker = {"delta": True, "folder": out.name, "made": _now(), "git_commit": _git_commit(out),
+            marker = {"delta": True, "folder": out.name, "made": _now_us(), "git_commit": _git_commit(out),
+                      "run": recorded.get("run", recorded.get("recorded")), "segment": segment,
                       "base_files": len(base), "files": files,
                       "gone": sorted(set(base) - set(now)),  # never deleted by unpack: listed for the record
                       "base": {rel: f["sha1"] for rel, f in base.items()}}  # what unpack checks the folder against
@@ -684,7 +698,8 @@ def pack(out: Path, delta: bool = False) -> Path:
             files = list(now)
     else:
         files = list(now)
-    with tarfile.open(archive, "w:gz") as tar:
+    partial = archive.parent / f".{archive.name}.partial"  # a copy taken mid-write (gpu_call's follow) never sees it
+    with tarfile.open(partial, "w:gz") as tar:
         tar.add(out, arcname=out.name, recursive=False)
         if marker is not None:
             data = json.dumps(marker, indent=1).encode()
@@ -693,8 +708,9 @@ def pack(out: Path, delta: bool = False) -> Path:
             tar.addfile(info, io.BytesIO(data))
         for rel in files:
             tar.add(out / rel, arcname=f"{out.name}/{rel}", recursive=False)
-    size = archive.stat().st_size
+    size = partial.stat().st_size
     if size > ARCHIVE_LIMIT_BYTES:
+        partial.unlink()
         biggest = ", ".join(f"{rel} ({now[rel]['size'] / 2**20:.1f} MB)"
                             for rel in sorted(files, key=lambda r: now[r]["size"], reverse=True)[:5])
         what = (f"what this run added to {out.name} ({len(files)} new or changed files of {len(now)})"
@@ -706,6 +722,7 @@ def pack(out: Path, delta: bool = False) -> Path:
                "`pack --delta` after a run).")
         raise RuntimeError(f"{archive} is {size / 2**20:.1f} MB, over the {ARCHIVE_LIMIT_BYTES / 2**20:.0f} MB a "
                            f"reference archive may take; it holds {what}. Biggest files: {biggest}. {fix}")
+    os.replace(partial, archive)
     return archive
 
 
@@ -794,6 +811,41 @@ def unpack(archive: Path, root: Path | None = None, figures: Path | None = None,
     return folder
 
 
+def _chain_key(archive: Path) -> tuple[str, str, int, str]:
+    """(folder, run id, segment, made) of a reference archive: a full archive (no DELTA.json) comes first."""
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        top = names[0].split("/", 1)[0] if names else ""
+        marker = f"{top}/{DELTA}"
+        if marker in names:
+            m = json.load(tar.extractfile(marker))
+            return top, str(m.get("run") or m.get("made", "")), int(m.get("segment", 1)), str(m.get("made", ""))
+        made = max((t.mtime for t in tar.getmembers()), default=0)
+        return top, "", 0, f"{made:020.3f}"
+
+
+def unpack_all(archives: Sequence[Path], root: Path | None = None, figures: Path | None = None,
+               force: bool = False) -> list[Path]:
+    """Unpack a session's reference archives in the order their runs made them.
+
+    The archives of one run form a chain (``<folder>.tar.gz``, ``<folder>.part2.tar.gz``, ...: see ``_archive_to``),
+    each over the one before. A detached run returns some of them twice (the ``--detach`` call's copy and the
+    ``--attach`` call's): of two copies of one link, the later-made one is kept, since it holds all the earlier held.
+    Returns the archives unpacked, in order."""
+    latest: dict[tuple[str, str, int], tuple[str, Path]] = {}
+    for a in map(Path, archives):
+        folder, run_id, segment, made = _chain_key(a)
+        key = (folder, run_id, segment)
+        if key not in latest or made > latest[key][0]:
+            latest[key] = (made, a)
+    done = []
+    for key in sorted(latest):
+        archive = latest[key][1]
+        unpack(archive, root=root, figures=figures, force=force)
+        done.append(archive)
+    return done
+
+
 def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[str] | None = None,
         force: bool = False, notebooks: Sequence[str] | None = None, keep_going: bool = False,
         archive_to: Path | None = None) -> Path:
@@ -824,7 +876,8 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     # What the folder holds before this run's first part: its archives (--archive-to, the pack part) hold only what it
     # adds. The status above is that base's parts.json, to which this run only adds or updates its own parts' entries,
     # so a delta's parts.json is the base's plus this run's, and unpack rightly writes it over the base's.
-    record_base(out)
+    chain = {"run": _now_us(), "segment": 1}  # archive_to: this run's chain of archives (see _archive_to)
+    record_base(out, run=chain["run"])
 
     def notebook_part(pre: list[str]) -> dict:
         detail = _part_notebooks(out, smoke, pre, notebooks, keep_going) or {}
@@ -854,14 +907,14 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
             status[part] = {"status": "interrupted", "seconds": round(time.perf_counter() - start, 1)}
             status_path.write_text(json.dumps(status, indent=1))
             print(f"[{part}] INTERRUPTED after {status[part]['seconds']:.0f} s: packing what it wrote", flush=True)
-            _archive_to(out, archive_to)  # the executed notebook so far (papermill saves it as cells end)
+            _archive_to(out, archive_to, chain)  # the executed notebook so far (papermill saves it as cells end)
             raise
         except Exception as e:
             seconds = time.perf_counter() - start
             total += seconds
             status[part] = {"status": "failed", "seconds": round(seconds, 1), "error": f"{type(e).__name__}: {e}"}
             status_path.write_text(json.dumps(status, indent=1))
-            _archive_to(out, archive_to)
+            _archive_to(out, archive_to, chain)
             if not keep_going:
                 raise RuntimeError(f"reference part {part!r} failed: {type(e).__name__}: {e} "
                                    f"(status in {status_path})") from e
@@ -874,7 +927,7 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         status[part] = {"status": "done", "seconds": round(seconds, 1), "finished": _now(),
                         "git_commit": os.environ.get("DDPM_GIT_COMMIT") or _git("rev-parse", "HEAD"), **detail}
         status_path.write_text(json.dumps(status, indent=1))
-        _archive_to(out, archive_to)
+        _archive_to(out, archive_to, chain)
         over = " OVER BUDGET" if seconds > PART_BUDGET_S else ""
         print(f"[{part}] done in {seconds:.0f} s (budget {PART_BUDGET_S} s per part){over}", flush=True)
     done = [p for p in PARTS if isinstance(status.get(p), dict) and status[p].get("status") == "done"]
@@ -891,18 +944,32 @@ def _chosen(prefixes: list[str], only: Sequence[str] | None) -> list[Path]:
     return [nb for nb in select(prefixes) if not only or nb in select(list(only))]
 
 
-def _archive_to(out: Path, folder: Path | None) -> None:
-    """Pack what this run added to ``out`` (``pack(delta=True)``) into ``folder`` (if given) after a part; a pack
-    that fails is reported, never raised (the archive of the part before stays there)."""
+def archive_name(folder_name: str, segment: int = 1) -> str:
+    """The name of a run's ``segment``-th archive: ``<folder>.tar.gz``, then ``<folder>.part2.tar.gz``, ..."""
+    return f"{folder_name}.tar.gz" if segment == 1 else f"{folder_name}.part{segment}.tar.gz"
+
+
+def _archive_to(out: Path, folder: Path | None, chain: dict | None = None) -> None:
+    """Pack what this run added to ``out`` into ``folder`` (if given) after a part; a pack that fails is reported,
+    never raised (the archive of the part before stays there).
+
+    The archives form a chain (``chain``: the run's id and its current segment). Each holds what the run added since
+    the archive before it; once one holds ``SEGMENT_BYTES``, it is closed: the folder as it now is becomes the base of
+    the next (``<folder>.part2.tar.gz``, ...), so that no archive outgrows the limit however many parts a command
+    runs. ``unpack`` applies a chain in order."""
     if folder is None:
         return
+    chain = chain if chain is not None else {"run": _now_us(), "segment": 1}
     try:
-        archive = pack(out, delta=True)
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        if archive.parent.resolve() != folder.resolve():
-            shutil.copy2(archive, folder / archive.name)
-        print(f"  packed -> {folder / archive.name} ({archive.stat().st_size / 2**20:.1f} MB)", flush=True)
+        archive = pack(out, delta=True, archive=folder / archive_name(out.name, chain["segment"]),
+                       segment=chain["segment"])
+        size = archive.stat().st_size
+        print(f"  packed -> {archive} ({size / 2**20:.1f} MB)", flush=True)
+        if size >= SEGMENT_BYTES:  # closed: the next part's files go into the next archive of the chain
+            record_base(out, run=chain["run"])
+            chain["segment"] += 1
     except (OSError, RuntimeError, ValueError, KeyError) as e:  # e.g. a damaged base manifest: the part still counts
         print(f"  could not pack {out} into {folder}: {type(e).__name__}: {e}", flush=True)
 
@@ -926,8 +993,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("folder")
     k.add_argument("--delta", action="store_true",
                    help="only the files new or changed since the last run on the folder started (what `run` packs)")
-    u = sub.add_parser("unpack", help="extract a reference archive into data/reference and figures/")
-    u.add_argument("archive")
+    u = sub.add_parser("unpack", help="extract reference archives into data/reference and figures/")
+    u.add_argument("archive", nargs="+", help="one archive, or all of a session's (a run's chain is applied in order, "
+                                              "and of two copies of one archive the later-made one is kept)")
     u.add_argument("--force", action="store_true",
                    help="extract a delta archive even where the folder here is not the one its run started from")
     args = p.parse_args(argv)
@@ -941,7 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "pack":
             print(pack(Path(args.folder), delta=args.delta))
         else:
-            print(f"unpacked into {unpack(Path(args.archive), force=args.force)}")
+            for archive in unpack_all([Path(a) for a in args.archive], force=args.force):
+                print(f"unpacked {archive}")
     except (RuntimeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -8,11 +8,13 @@
 # It installs the wheels into /tmp/site, runs the parts under a deadline (DEADLINE_S, default 560 s: a device
 # command is stopped at 600 s), and after EVERY part packs into $OUT what this command added to the reference
 # folder (the files new or changed since it began, with a DELTA.json; the whole folder where it began empty), so a
-# command stopped at its limit still returns the parts it finished, and no archive outgrows one command's work.
+# command stopped at its limit still returns the parts it finished. An archive that reaches 4 MB is closed and the
+# next part goes into the next (<gpu>.part2.tar.gz, ...), so none outgrows the 15 MB a command returns per file.
 # $OUT also gets run.log and, for the shakedown, the executed notebooks' archive. Back here: `python -m
-# ddpm_core.reference unpack <archive>` (full mode only; a shakedown's archive is for reading, never for
-# data/reference), which puts it over the folder the command carried (unpack a session's archives in the order
-# they were made), then commit data/reference/<gpu>/ and figures/.
+# ddpm_core.reference unpack <archive>...` (full mode only; a shakedown's archive is for reading, never for
+# data/reference), which puts them over the folder the command carried (give it all of a session's archives: it
+# applies them in the order they were made, and keeps the later of two copies of one), then commit
+# data/reference/<gpu>/ and figures/.
 # The next command (or session) carries the committed folder and goes on from the first part not done.
 # The copy of the repo there may hold no .git, or one at another commit: start the command with
 # DDPM_GIT_COMMIT=$(git rev-parse HEAD) (its value, written here, after committing) so that meta.json names the
@@ -23,8 +25,13 @@
 # longer than a command, in two back-to-back commands (the second within the machine's warm time):
 #
 #   bash scripts/gpu_call.sh --detach PART...    # starts the run in its own session (deadline RUN_DEADLINE_S,
-#                                                # default 780 s), follows it for ATTACH_S (540 s), copies to $OUT
-#   bash scripts/gpu_call.sh --attach            # follows the same run until it ends or ATTACH_S, copies to $OUT
+#                                                # default 660 s), follows it for ATTACH_S (540 s), copying to $OUT
+#   bash scripts/gpu_call.sh --attach            # follows the same run until it ends or ATTACH_S, copying to $OUT
+#
+# Both copy what the run has packed every 5 s, so a call stopped early still returns every part finished before.
+# 660 s: a 15-minute session is ~60-100 s of start, the --detach call (~550 s) and the --attach call; a later
+# deadline leaves the --attach call cut off by the session's end. Call --attach at once: the machine goes back
+# after ~30 s idle, and the detached run with it.
 #
 # A detached run gives each notebook the run's whole deadline (DDPM_PART_BUDGET_S), for notebooks longer than one
 # command (04's max-autotune, 09's compiled stages), and works on a copy of the committed reference folder in
@@ -33,10 +40,13 @@ set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 BG=${BG_DIR:-/tmp/gpu_call_bg}
-follow() {  # wait for the detached run in $BG to end (or ATTACH_S to pass), then copy what it wrote into $OUT
+follow() {  # wait for the detached run in $BG to end (or ATTACH_S to pass), copying what it wrote into $OUT as it goes
   local limit=${ATTACH_S:-540} waited=0
   mkdir -p "$OUT"
-  while [ ! -f "$BG/exit" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
+  while [ ! -f "$BG/exit" ] && [ "$waited" -lt "$limit" ]; do
+    sleep 5; waited=$((waited + 5))
+    cp -u "$BG"/out/* "$OUT"/ 2>/dev/null  # archives appear whole (written aside, then renamed): never a torn copy
+  done
   cp "$BG"/out/* "$OUT"/ 2>/dev/null
   tail -n 30 "$BG/out/run.log" 2>/dev/null
   if [ -f "$BG/exit" ]; then
@@ -57,12 +67,16 @@ if [ "${1:-}" = "--detach" ]; then
   shift
   [ $# -gt 0 ] || { echo "gpu_call --detach: name the parts to run" >&2; exit 2; }
   OUT=${OUT:-/tmp/gpu_call_out}
+  if [ -d "$BG/out" ] && [ ! -f "$BG/exit" ]; then
+    echo "gpu_call --detach: a detached run is still going on this machine ($BG): follow it with --attach" >&2
+    exit 5
+  fi
   rm -rf "$BG" && mkdir -p "$BG/out" "$BG/reference"
   # The run writes its reference folder outside the repo: the next command re-sends the working tree over the
   # repo's copy there, and that must not touch what the run is writing (it reads the committed parts to resume).
   src=${DDPM_REFERENCE_DIR:-data/reference}
   if [ -d "$src" ]; then cp -a "$src"/. "$BG/reference"/; fi
-  DDPM_REFERENCE_DIR="$BG/reference" OUT="$BG/out" DEADLINE_S=${RUN_DEADLINE_S:-780} DDPM_PART_BUDGET_S=${DDPM_PART_BUDGET_S:-${RUN_DEADLINE_S:-780}} \
+  DDPM_REFERENCE_DIR="$BG/reference" OUT="$BG/out" DEADLINE_S=${RUN_DEADLINE_S:-660} DDPM_PART_BUDGET_S=${DDPM_PART_BUDGET_S:-${RUN_DEADLINE_S:-660}} \
     GPU_CALL_BG="$BG" setsid nohup bash -c 'bash "$0" "$@" > "$GPU_CALL_BG/out/console.log" 2>&1; echo $? > "$GPU_CALL_BG/exit"' \
     "$SELF" "$@" < /dev/null > /dev/null 2>&1 &
   echo "gpu_call: detached run of $* started (its log: $BG/out/run.log)"

@@ -177,14 +177,14 @@ def test_workers_that_would_overflow_shared_memory_are_refused_before_they_start
     monkeypatch.setattr(D.shutil, "disk_usage", lambda path: usage(64 * 2**20, 0, 64 * 2**20))
     started = []
     monkeypatch.setattr(D, "Loader", lambda *a, **k: started.append(1))
-    with pytest.raises(RuntimeError, match=r"16 DataLoader workers .* need about 192 MiB of shared memory in /dev/shm, "
+    with pytest.raises(RuntimeError, match=r"16 DataLoader workers .* need about 99 MiB of shared memory in /dev/shm, "
                                            r"and it has 64 MiB free\. Lower num_workers .*--shm-size"):
         D.make_loader(ds, 256, num_workers=16)  # the fixture's 256 images: one batch
     assert not started
-    D.make_loader(ds, 8, num_workers=16)  # 6 MiB in flight: fits
+    D.make_loader(ds, 8, num_workers=16)  # 3 MiB in flight: fits
     D.make_loader(ds, 256, mode="device")  # no workers: nothing to check
     assert len(started) == 1
-    D.check_shared_memory(16, 2, 256, mode="uint8")  # a quarter of the bytes: 48 MiB fits
+    D.check_shared_memory(16, 2, 256, mode="uint8")  # a quarter of the bytes: 25 MiB fits
     monkeypatch.setattr(D.shutil, "disk_usage", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
     D.check_shared_memory(16, 2, 4096)  # no /dev/shm (macOS, Windows): nothing to check
 

@@ -500,7 +500,7 @@ def test_gpu_call_detach_runs_on_past_its_command_and_attach_collects_what_it_wr
     with tarfile.open(tmp_path / "OUT2" / "cpu-full.tar.gz") as tar:
         assert "cpu-full/meta.json" in tar.getnames()
     assert "[meta] done" in (tmp_path / "OUT2" / "run.log").read_text()
-    assert "budget 780 s per part" in (tmp_path / "OUT2" / "run.log").read_text()  # each part gets the run's deadline
+    assert "budget 660 s per part" in (tmp_path / "OUT2" / "run.log").read_text()  # each part gets the run's deadline
     with tarfile.open(tmp_path / "OUT2" / "cpu-full.tar.gz") as tar:  # it resumed the committed folder's copy
         assert set(json.load(tar.extractfile("cpu-full/parts.json"))) >= {"nb-10", "meta"}
     assert json.loads((committed / "parts.json").read_text()).keys() == {"_mode", "nb-10"}  # the original is untouched
@@ -635,6 +635,51 @@ def test_a_delta_over_a_missing_folder_or_one_it_did_not_start_from_is_refused_n
     made = reference.unpack(again.parent / "h100-80gb-hbm3.tar.gz", root=tmp_path / "new", figures=tmp_path / "figures",
                             force=True)
     assert [p.name for p in made.iterdir()] == ["meta.json"]  # what it holds, and no DELTA.json
+
+
+def test_a_run_closes_each_archive_at_the_segment_size_and_unpack_all_applies_the_chain_in_order(tmp_path, monkeypatch):
+    """A command that runs nb-02 (several MB of traces) and more parts must not outgrow one archive: each archive is
+    closed at SEGMENT_BYTES and the next part starts the next, chained to it. A detached run's two calls return
+    copies of the same links; unpack_all keeps the later copy of each and applies the chain in order."""
+    import shutil
+
+    here = _committed_folder(tmp_path / "here" / "h100-80gb-hbm3")
+    device = tmp_path / "device" / "h100-80gb-hbm3"
+    shutil.copytree(here, device)
+    sizes = {"03": 5000, "03b": 100, "04": 6000}  # nb-03 and nb-04 close their archive; nb-03b stays open
+    copies = []
+
+    def part(out, smoke, prefixes, only, keep_going=False):
+        nb = prefixes[0]
+        (out / "notebooks" / f"{nb}.ipynb").write_bytes(os.urandom(sizes[nb]))
+        if nb == "04":  # what a --detach call would have copied by now: the second link, holding nb-03b only
+            copies.append(tmp_path / "detach-copy.tar.gz")
+            shutil.copy2(tmp_path / "OUT" / "h100-80gb-hbm3.part2.tar.gz", copies[-1])
+        return {"notebooks": {nb: 1.0}}
+
+    monkeypatch.setattr(reference, "_part_notebooks", part)
+    monkeypatch.setattr(reference, "SEGMENT_BYTES", 4000)
+    reference.run(device, smoke=False, parts=["nb-03", "nb-03b", "nb-04"], archive_to=tmp_path / "OUT")
+    out = tmp_path / "OUT"
+    assert sorted(p.name for p in out.iterdir()) == ["h100-80gb-hbm3.part2.tar.gz", "h100-80gb-hbm3.tar.gz"]
+
+    def holds(archive):
+        with tarfile.open(archive) as tar:
+            return {n.split("/", 1)[1] for n in tar.getnames() if n.count("/") and not n.endswith(reference.DELTA)}
+
+    assert holds(out / "h100-80gb-hbm3.tar.gz") == {"parts.json", "notebooks/03.ipynb"}
+    assert holds(out / "h100-80gb-hbm3.part2.tar.gz") == {"parts.json", "notebooks/03b.ipynb", "notebooks/04.ipynb"}
+    assert holds(copies[0]) == {"parts.json", "notebooks/03b.ipynb"}  # the earlier copy of the same link
+    # the second link alone is refused here: it starts where the first left the folder
+    with pytest.raises(ValueError, match="not what it started from"):
+        reference.unpack(out / "h100-80gb-hbm3.part2.tar.gz", root=here.parent, figures=tmp_path / "figures")
+    done = reference.unpack_all([out / "h100-80gb-hbm3.part2.tar.gz", copies[0], out / "h100-80gb-hbm3.tar.gz"],
+                                root=here.parent, figures=tmp_path / "figures")
+    assert [p.name for p in done] == ["h100-80gb-hbm3.tar.gz", "h100-80gb-hbm3.part2.tar.gz"]
+    status = json.loads((here / "parts.json").read_text())
+    assert all(status[p]["status"] == "done" for p in ("meta", "nb-02", "nb-03", "nb-03b", "nb-04"))
+    assert all((here / "notebooks" / f"{nb}.ipynb").stat().st_size == n for nb, n in sizes.items())
+    assert not list(out.glob(".*"))  # no half-written archive left beside them
 
 
 def test_a_first_run_packs_a_full_archive_and_a_full_archive_still_replaces_the_folder(tmp_path, monkeypatch):
