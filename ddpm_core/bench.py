@@ -344,8 +344,8 @@ def cuda_peak_memory(device: torch.device, cuda_graphs: bool, others: int = 0) -
     reserved = torch.cuda.max_memory_reserved(device)
     alone = ", this step alone" if others > 0 else ""
     if cuda_graphs:
-        return max(allocated, reserved) - others, reserved, f"peak reserved (CUDA{alone}, includes CUDA-graph pools)"
-    return allocated - others, reserved, f"peak allocated (CUDA{alone})"
+        return max(allocated, reserved) - others, reserved, f"peak reserved, CUDA{alone}, CUDA-graph pools included"
+    return allocated - others, reserved, f"peak allocated, CUDA{alone}"
 
 
 def owned_bytes(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
@@ -560,7 +560,7 @@ def _measurement(name: str, device: torch.device, batch_size: int, first_ms: flo
     return m
 
 
-SAVED_KIND = "saved for backward (CPU)"
+SAVED_KIND = "saved for backward, CPU"  # no parentheses: the notebooks quote it inside theirs
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -1089,6 +1089,8 @@ def summary_table(measurements: list[Measurement], baseline: int = 0) -> "pd.Dat
     df = pd.DataFrame(rows)
     if memory == MEMORY_COLUMNS[1]:  # the column's name already says what every row measured
         df = df.drop(columns="memory measured")
+    if len(df) == 1:  # one row: nothing to compare it with
+        df = df.drop(columns="speedup")
     return readable(df, drop_empty=("MFU", "MFU vs bf16 peak"))
 
 

@@ -632,7 +632,7 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
         ax.annotate(f"{v:.1f} ms{vs}", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
                     textcoords="offset points", va="center", fontsize=8)
     ax.set_xlim(0, rows["median_ms"].max() * (1.3 if not versus else 1.6))
-    ax.set_xlabel("ms per training step (full model)" + ("\nin brackets: speed against " + ", ".join(sorted(set(versus.values())))
+    ax.set_xlabel("ms per training step (full model)" + ("\nin parentheses: speed against " + ", ".join(sorted(set(versus.values())))
                                                          if comparison is not None and versus else ""))
     ax.set_title("whole training step", fontsize=9)
     for i, (impl, g) in enumerate(micro.groupby("impl", sort=False)):
@@ -754,11 +754,22 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
     return _checked(fig, separated is not None)
 
 
+def _same_decimals(values: list, most: int = 4) -> list[str]:
+    """A column's cells as text, its floats all with as many decimals as the longest of them needs (at most
+    ``most``): "202.60, 399.10, 398.53", not "202.6, 399.1, 398.53"."""
+    floats = [v for v in values if isinstance(v, float) and math.isfinite(v)]
+    if not floats:
+        return [str(v) for v in values]
+    digits = max(min(most, len(f"{v:.{most}f}".rstrip("0").split(".")[1])) for v in floats)
+    return [f"{v:,.{digits}f}" if isinstance(v, float) and math.isfinite(v) else str(v) for v in values]
+
+
 def table_figure(df, *, label: str | None = None, title: str = "Summary") -> "plt.Figure":
     """A DataFrame rendered as a figure (for tables that should travel as an image)."""
     fig, ax = plt.subplots(figsize=(min(18, 1.6 + 1.5 * len(df.columns)), 0.42 * len(df) + 1.2))
     ax.set_axis_off()
-    cells = [[(v if len(v) <= 42 else v[:40] + "...") for v in map(str, row)] for row in df.values.tolist()]
+    columns = [_same_decimals(df[c].tolist()) for c in df.columns]
+    cells = [[(v if len(v) <= 42 else v[:40] + "...") for v in row] for row in zip(*columns)]
     tbl = ax.table(cellText=cells, colLabels=list(df.columns), loc="center", cellLoc="center")
     tbl.auto_set_font_size(False)
     tbl.set_fontsize(8)

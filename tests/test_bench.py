@@ -199,7 +199,7 @@ def test_cuda_graph_steps_report_the_memory_their_pools_hold(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 9 * 2**30)
     dev = torch.device("cuda:0")
-    assert bench.cuda_peak_memory(dev, cuda_graphs=False) == (2**30, 9 * 2**30, "peak allocated (CUDA)")
+    assert bench.cuda_peak_memory(dev, cuda_graphs=False) == (2**30, 9 * 2**30, "peak allocated, CUDA")
     held, reserved, kind = bench.cuda_peak_memory(dev, cuda_graphs=True)
     assert held == 9 * 2**30 and "CUDA-graph" in kind
     t = type("T", (), {"cfg": type("C", (), {"compile": "reduce-overhead", "precision": "bf16"})()})()
@@ -250,7 +250,7 @@ def test_cuda_memory_leaves_out_what_the_rest_of_the_process_holds(monkeypatch, 
     others = bench.held_by_others(t.train_step, (x,), {}, dev)
     assert others == 3 * 2**30 == bench.held_by_others(None, (), {}, dev, owned=own)  # compare() walks each step once
     peak, reserved, kind = bench.cuda_peak_memory(dev, cuda_graphs=False, others=others)
-    assert peak == own + 2**20 and reserved == 8 * 2**30 and kind == "peak allocated (CUDA, this step alone)"
+    assert peak == own + 2**20 and reserved == 8 * 2**30 and kind == "peak allocated, CUDA, this step alone"
     peak, _, kind = bench.cuda_peak_memory(dev, cuda_graphs=True, others=others)
     assert peak == 5 * 2**30 and "CUDA-graph" in kind and "alone" in kind
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: own // 2)  # nothing else is live
@@ -412,7 +412,7 @@ def test_summary_table_names_what_memory_it_shows_and_adds_reserved_on_cuda():
     cpu = _fake("cpu step", 100)
     t = bench.summary_table([cpu])
     assert "reserved (MiB)" not in t.columns and t["memory measured"].iloc[0] == "n/a"
-    gpu = bench._measurement("gpu step", torch.device("cpu"), 8, 1.0, [1.0, 1.0], 3 * 2**30, "peak allocated (CUDA)",
+    gpu = bench._measurement("gpu step", torch.device("cpu"), 8, 1.0, [1.0, 1.0], 3 * 2**30, "peak allocated, CUDA",
                              5 * 2**30, None, "bf16")
     t = bench.summary_table([gpu])
     assert t["reserved (MiB)"].iloc[0] == 5 * 1024 and t["peak memory (MiB)"].iloc[0] == 3 * 1024

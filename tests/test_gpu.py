@@ -296,7 +296,7 @@ def test_compare_on_cuda_interleaves_an_eager_and_a_cuda_graph_step_and_reports_
     c = bench.compare([bench.Variant("eager", eager.train_step, (x,), 8),
                        bench.Variant("graphs", graphs.train_step, (x,), 8)], rounds=3, iters=2, warmup=3, progress=False)
     e, g = c.measurements
-    assert e.memory_kind.startswith("peak allocated (CUDA") and e.peak_memory_bytes > 0 and e.reserved_bytes >= e.peak_memory_bytes
+    assert e.memory_kind.startswith("peak allocated, CUDA") and e.peak_memory_bytes > 0 and e.reserved_bytes >= e.peak_memory_bytes
     # each row is its own step: the other trainer's state (about its fixed state) is left out of it
     own = bench.owned_bytes(eager.train_step, (x,), device=torch.device("cuda"))
     assert own <= e.peak_memory_bytes < torch.cuda.max_memory_reserved() and "alone" in e.memory_kind
@@ -359,5 +359,5 @@ def test_cudnn_autotuning_is_timed_in_fresh_processes_on_the_gpu():
     fields = {"model": "tiny", "device": "cuda", "precision": "fp32", "attention": "math"}
     cmp = bench.compare_in_processes({f"cudnn.benchmark={f}": {**fields, "cudnn_benchmark": f} for f in (False, True)},
                                      batch_size=16, rounds=1, iters=3, warmup=3, flops=10**9, progress=False)
-    assert all(m.device.startswith("cuda") and m.memory_kind.startswith("peak allocated (CUDA") and m.iters == 3
+    assert all(m.device.startswith("cuda") and m.memory_kind.startswith("peak allocated, CUDA") and m.iters == 3
                and m.tflops is not None for m in cmp.measurements)

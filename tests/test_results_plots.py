@@ -116,7 +116,7 @@ def test_the_batch_sweep_draws_its_references_inside_the_axes_and_memory_in_mib(
     sweep = pd.DataFrame({"batch_size": [4, 8, 16, 32], "images_per_s": [42.4, 52.3, 58.0, 51.7],
                           "median_ms": [94.4, 153.1, 276.0, 619.1], "peak_memory_bytes": [36 * 2**20, 71 * 2**20,
                                                                                           141 * 2**20, 282 * 2**20],
-                          "memory_kind": ["saved for backward (CPU)"] * 4})
+                          "memory_kind": ["saved for backward, CPU"] * 4})
     fig = plots.batch_size_lines(sweep, label="t", ideal=True)
     thr, time_ax, mem = fig.axes
     assert "MiB" in mem.get_ylabel() and mem.get_ylim()[1] > 282  # the tables' unit, not GiB
@@ -208,10 +208,19 @@ def test_the_series_charts_write_pngs(figures):
     assert np.isfinite(rows["median_ms"]).all()
 
 
+def test_a_table_figure_gives_every_number_of_a_column_the_same_decimals():
+    from ddpm_core.plots import _same_decimals
+
+    assert _same_decimals([202.6, 399.1, 398.53, "n/a", None]) == ["202.60", "399.10", "398.53", "n/a", "None"]
+    assert _same_decimals([0.06, 0.067, 0.00943]) == ["0.0600", "0.0670", "0.0094"]  # at most 4 decimals
+    assert _same_decimals([8, 16]) == ["8", "16"] and _same_decimals([1234.0, 5.5]) == ["1,234.0", "5.5"]
+
+
 def test_summary_table_reports_speedups_from_the_same_table():
     table = bench.summary_table([_measurement("base", 10), _measurement("fast", 5)])
     assert table["speedup"].tolist() == ["1.00x", "2.00x"]
     assert list(table.columns[:5]) == ["variant", "batch", "ms/step", "img/s", "speedup"]
+    assert "speedup" not in bench.summary_table([_measurement("alone", 10)]).columns  # one row: nothing to compare
     assert bench.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert not bench.is_out_of_memory(ValueError("x"))
 
