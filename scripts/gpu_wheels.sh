@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 TORCHVISION=${TORCHVISION:-}
 NAMES="HolisticTraceAnalysis plotly narwhals pydot pyparsing papermill nbclient nbformat jupyter_client jupyter_core
-ipykernel ipython ipython_pygments_lexers traitlets comm debugpy tenacity entrypoints pyzmq tornado fastjsonschema
+ipykernel ipython ipython_pygments_lexers traitlets comm tenacity entrypoints pyzmq tornado fastjsonschema
 jsonschema jsonschema-specifications referencing rpds-py attrs click PyYAML requests charset-normalizer idna urllib3
 certifi decorator pexpect ptyprocess prompt_toolkit wcwidth Pygments stack-data executing asttokens
 pure_eval matplotlib-inline nest-asyncio2 platformdirs python-dateutil tqdm psutil
