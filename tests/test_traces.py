@@ -170,6 +170,20 @@ def test_analyze_on_the_projects_own_gpu_trace_through_a_relative_path(tmp_path,
     assert cap.op_table()["self_device_us"].sum() > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hta_diffs_the_kernels_of_two_real_gpu_traces(tmp_path):
+    """04 and 09 diff two GPU traces with HTA's TraceDiff: on real traces it compares kernels, with no fallback note
+    (where it cannot, diff falls back to operators and says so: the CPU tests cover that path)."""
+    x = torch.rand(8, 3, 32, 32, device="cuda") * 2 - 1
+    for attention in ("math", "sdpa"):
+        t = build(tiny_config(tmp_path, device="cuda", attention=attention, batch_size=8))
+        profiling.capture(t.train_step, x, out_dir=tmp_path / attention, wait=1, warmup=1, active=2)
+    d = traces.diff(tmp_path / "math", tmp_path / "sdpa", top=30)
+    assert d.attrs == {"compared": "kernels", "note": ""}, d.attrs
+    assert len(d) and {"appeared", "vanished"} & set(d["change"]), d[["name", "change"]]
+
+
 # ------------------------------------------------------------------------------ the GPU branch, on CPU
 @pytest.fixture(scope="module")
 def gpu_trace_dir(cpu_capture, tmp_path_factory):
