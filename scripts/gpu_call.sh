@@ -102,6 +102,7 @@ fi
 export PYTHONUNBUFFERED=1  # no MPLBACKEND=Agg: the executed notebooks must embed their figures (run_notebook sets inline)
 echo "gpu_call: wheels installed in $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+df -h /dev/shm 2>&1 | tail -1  # DataLoader workers pass batches through it (07 runs 16): data.check_shared_memory
 python3 - <<'PY' || exit 3
 import importlib.metadata as md, torch, ddpm_core  # noqa: F401  (fails here, not in the first notebook)
 def version(name):
