@@ -531,7 +531,7 @@ def test_the_readme_gpu_table_states_a_stage_ratio_only_where_09_would(tmp_path)
     cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[5] for line in md.splitlines() if line.startswith("| ")}
     assert cells == {"stage": "img/s vs the first stage", "baseline": "1.00x", "+ apart": "2.00x",
                      "+ overlapping": "noisy", "+ wide, close": "noisy", "+ too few calls": "noisy"}
-    assert "| 10.1% |" in md and "H100 SXM bf16 dense peak 989.4 TFLOP/s" in md and "peak allocated (CUDA)" in md
+    assert "| 10.1% |" in md and "H100 SXM bf16 dense peak 989.4 TFLOP/s" in md and "peak allocated, CUDA" in md
     assert md in reference.status_markdown(tmp_path)
     (folder / "results.csv").unlink()
     assert reference.stages_markdown(folder) == ""
