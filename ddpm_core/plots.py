@@ -159,6 +159,16 @@ class _PlainLogFormatter(matplotlib.ticker.LogFormatterSciNotation):
         text = super().__call__(x, pos)
         return f"{x:g}" if text and self._plain_axis(x) else text
 
+    def set_locs(self, locs: Any = None) -> None:
+        """Over one to two decades matplotlib labels the minor ticks 2, 3, 4 and 6 of each, and 3 and 4 crowd each
+        other (05's memory axis read "4/3", "0.4/0.3"): label 2 and 5 there, as a log axis is usually read."""
+        super().set_locs(locs)
+        if self._sublabels is None or self.axis is None or self._base != 10 or not 1 < len(self._sublabels) <= 6:
+            return  # no minor labels (past two decades), or every minor tick (under half a decade)
+        lo, hi = sorted(self.axis.get_view_interval())
+        if lo > 0 and math.log10(hi / lo) > 1:
+            self._sublabels = {1.0, 2.0, 5.0}
+
 
 def plain_log_ticks(fig: "plt.Figure") -> "plt.Figure":
     """Log-scaled axes of ``fig`` labelled 300 and 0.9, not 3×10² and 9×10⁻¹; powers of two as 4, 8, 16, not 2².

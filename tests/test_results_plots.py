@@ -208,6 +208,25 @@ def test_the_series_charts_write_pngs(figures):
     assert np.isfinite(rows["median_ms"]).all()
 
 
+def test_a_log_axis_over_one_to_two_decades_labels_2_and_5_not_3_and_4_side_by_side():
+    import matplotlib.pyplot as plt
+
+    def minor_labels(lo, hi):
+        fig, ax = plt.subplots()
+        ax.plot([1, 2], [lo, hi])
+        ax.set_yscale("log")
+        plots.plain_log_ticks(fig)
+        fig.canvas.draw()
+        labels = [t.get_text() for t in ax.get_yticklabels(minor=True) if t.get_text()]
+        plt.close(fig)
+        return labels
+
+    wide = minor_labels(0.28, 22)  # 05's memory panel: it read "4/3" and "0.4/0.3"
+    assert {"0.5", "2", "5", "20"} <= set(wide) and not {"3", "4", "0.3", "0.4"} & set(wide), wide
+    assert {"3", "4"} <= set(minor_labels(2, 5))  # under a decade: every minor tick, as before
+    assert minor_labels(0.1, 1000) == []  # past two decades: the powers of ten alone, as before
+
+
 def test_a_table_figure_gives_every_number_of_a_column_the_same_decimals():
     from ddpm_core.plots import _same_decimals
 
