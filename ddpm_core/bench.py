@@ -1105,8 +1105,9 @@ def with_spread(median: Sequence[float], p10: Sequence[float], p90: Sequence[flo
 def readable(df: "pd.DataFrame", *, drop_empty: Sequence[str] = (), na: str = NOT_AVAILABLE) -> "pd.DataFrame":
     """``df`` as a reader should see it: the columns named in ``drop_empty`` left out where no row has a value
     (a CPU has no bf16 peak, so that column would be a column of blanks), and every other missing cell shown as
-    ``na`` instead of pandas' ``None``/``NaN``. Columns with no missing cell keep their dtype."""
-    df = df.drop(columns=[c for c in drop_empty if c in df and df[c].isna().all()])
+    ``na`` instead of pandas' ``None``/``NaN``. Columns with no missing cell keep their dtype. An empty string counts
+    as no value (a note column with nothing to note)."""
+    df = df.drop(columns=[c for c in drop_empty if c in df and df[c].map(lambda v: v is None or v != v or v == "").all()])
     for c in df.columns:
         if df[c].isna().any():
             df[c] = df[c].astype(object).where(df[c].notna(), na)

@@ -416,24 +416,27 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
             raise TraceError(f"no trace files (*.pt.trace.json[.gz]) in {folder}: capture one with profiling.capture")
     if gpu is None:
         gpu = all(_has_gpu_kernels({0: _load_json(_trace_files(f)[0])}) for f in (before, after))
+    def hta_diff(kernels: bool) -> pd.DataFrame:
+        with _quiet():
+            return TraceDiff.compare_traces(str(before), str(after), use_short_name=True,
+                                            device_type=DeviceType.GPU if kernels else DeviceType.CPU)
+
     note = ""
     try:
-        with _quiet():
-            df = TraceDiff.compare_traces(str(before), str(after), device_type=DeviceType.GPU if gpu else DeviceType.CPU,
-                                          use_short_name=True)
+        df = hta_diff(gpu)
     except Exception as e:  # noqa: BLE001 - HTA has not met every real trace; the operators still tell the story
-        what = "the GPU kernels of these traces" if gpu else f"{before} and {after}"
-        gpu = False
         try:
-            with _quiet():
-                df = TraceDiff.compare_traces(str(before), str(after), device_type=DeviceType.CPU, use_short_name=True)
-            note = (f"HTA's TraceDiff could not compare {what} ({type(e).__name__}: {e}), so this table compares their "
-                    "CPU operators instead.")
+            if not gpu:
+                raise  # HTA's operator diff is what failed: nothing else to ask it
+            df = hta_diff(False)
+            note = (f"HTA's TraceDiff could not compare the GPU kernels of these traces ({type(e).__name__}: {e}), so "
+                    "this table compares their CPU operators instead.")
         except Exception:  # noqa: BLE001 - HTA cannot read them at all: count the operators from the files ourselves
             df = _own_diff(before, after)
             note = (f"HTA's TraceDiff could not read these traces ({type(e).__name__}: {e}), so this table compares "
                     "their CPU operators as counted from the trace files themselves: calls and inclusive time per "
                     "profiled step.")
+        gpu = False
     df = df.rename(columns={"Control_counts": "calls before", "Test_counts": "calls after",
                             "Control_total_duration": "time before (us)", "Test_total_duration": "time after (us)",
                             "diff_counts": "calls change", "diff_duration": "time change (us)",

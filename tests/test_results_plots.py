@@ -235,6 +235,12 @@ def test_a_table_figure_gives_every_number_of_a_column_the_same_decimals():
     assert _same_decimals([8, 16]) == ["8", "16"] and _same_decimals([1234.0, 5.5]) == ["1,234.0", "5.5"]
 
 
+def test_readable_drops_a_named_column_only_where_no_row_has_a_value_and_fills_the_rest():
+    df = pd.DataFrame({"a": [1.0, None], "note": ["", None], "kept": ["", "x"], "peak": [None, None]})
+    out = bench.readable(df, drop_empty=("note", "kept", "peak"), na="—")
+    assert list(out.columns) == ["a", "kept"] and out["a"].tolist() == [1.0, "—"]  # an empty string is no value
+
+
 def test_summary_table_reports_speedups_from_the_same_table():
     table = bench.summary_table([_measurement("base", 10), _measurement("fast", 5)])
     assert table["speedup"].tolist() == ["1.00x", "2.00x"]
