@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -37,19 +38,61 @@ def synthetic_batch(synthetic_folder) -> torch.Tensor:
     return normalize(torch.stack([ds[i] for i in range(16)]))
 
 
+def _uses_smoke_reference(item) -> bool:
+    return "smoke_reference" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read the smoke reference run last: the run itself starts in the background before the first
+    test (``_smoke_reference_run``), so the rest of the suite runs beside it instead of waiting for it."""
+    items.sort(key=_uses_smoke_reference)  # stable: the order within each group is kept
+
+
+SMOKE_REFERENCE_TIMEOUT_S = 2700  # ~17 min alone on 2 CPU cores; beside the other tests, up to about half as long again
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _smoke_reference_run(request, tmp_path_factory):
+    """Start ``python -m ddpm_core.reference run --smoke`` in the background at the start of the session, when a selected
+    test needs it, so that the ~17 minutes it takes on 2 cores overlap the rest of the suite. Its log goes to a file;
+    ``smoke_reference`` waits for it. It gets a data folder of its own (it writes the 10,000-image synthetic set there)
+    and a process group of its own, which is stopped if the session ends first."""
+    import signal
+    import subprocess
+    import sys
+
+    if os.environ.get("DDPM_TEST_SMOKE_REFERENCE") or not any(_uses_smoke_reference(i) for i in request.session.items):
+        yield None
+        return
+    root = tmp_path_factory.mktemp("reference")
+    env = {**os.environ, "DDPM_DATA_DIR": str(root / "data"), "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
+           "PYTHONUNBUFFERED": "1"}
+    log = open(root / "run.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "ddpm_core.reference", "run", "--smoke", "--out", str(root / "cpu-smoke")],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    started = time.perf_counter()
+    yield proc, root, env, log, started
+    if proc.poll() is None:  # the session ended before the run did (a failure, ^C, -x): stop it and its notebooks
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
 @pytest.fixture(scope="session")
-def smoke_reference(tmp_path_factory, data_root):
+def smoke_reference(_smoke_reference_run, data_root):
     """The whole series, run once per test session in smoke mode through ``python -m ddpm_core.reference run``: the
     notebooks' smoke test and the reference command's test (test_reference.py); the browser's layout check reads
-    its executed notebooks (test_browser.py). Returns (folder, stdout, seconds, environment).
+    its executed notebooks (test_browser.py). Returns (folder, output, seconds, environment). The run started in the
+    background when the session did (``_smoke_reference_run``); this waits for it to end.
 
     For development only: ``DDPM_TEST_SMOKE_REFERENCE=<a cpu-smoke folder>`` (one a run of this fixture left under
     pytest's temporary folders, with a notebook swapped for a freshly executed copy) reuses it instead of running the
     series again, so that e.g. the browser's layout check of one changed notebook takes a minute, not fifteen. The
     tests that check the run itself (its log and timing) then see an empty log. CI never sets it."""
     import subprocess
-    import sys
-    import time
 
     if os.environ.get("DDPM_TEST_SMOKE_REFERENCE"):
         from pathlib import Path
@@ -59,12 +102,12 @@ def smoke_reference(tmp_path_factory, data_root):
             raise FileNotFoundError(f"DDPM_TEST_SMOKE_REFERENCE={folder} holds no parts.json: point it at a cpu-smoke "
                                     "folder a smoke reference run wrote, or unset it")
         return folder, "", 0.0, {**os.environ, "DDPM_DATA_DIR": data_root}
-    root = tmp_path_factory.mktemp("reference")
-    out = root / "cpu-smoke"
-    env = {**os.environ, "DDPM_DATA_DIR": data_root, "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
-           "PYTHONUNBUFFERED": "1"}
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ddpm_core.reference", "run", "--smoke", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout, time.perf_counter() - start, env
+    proc, root, env, log, started = _smoke_reference_run
+    try:
+        proc.wait(timeout=max(1.0, SMOKE_REFERENCE_TIMEOUT_S - (time.perf_counter() - started)))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the smoke reference run took over {SMOKE_REFERENCE_TIMEOUT_S} s; its log: {root / 'run.log'}")
+    log.seek(0)
+    output = log.read()
+    assert proc.returncode == 0, output[-6000:]
+    return root / "cpu-smoke", output, time.perf_counter() - started, env
