@@ -65,13 +65,6 @@ def _smoke_reference_run(request, tmp_path_factory):
         yield None
         return
     root = tmp_path_factory.mktemp("reference")
-    # One thread each, for the run and for this process (and the processes its tests start): two processes of two
-    # OpenMP threads on 2 cores wait on each other's descheduled threads at every operator's barrier, and notebook 01
-    # took 194 s beside such a neighbour against 68 s alone. At one thread each it took 81 s beside a neighbour and
-    # 83 s alone. (The run's notebooks do see the other work, and say their comparisons are too noisy to state.)
-    threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     env = {**os.environ, "DDPM_DATA_DIR": str(root / "data"), "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
            "PYTHONUNBUFFERED": "1"}
     log = open(root / "run.log", "w+")
@@ -86,11 +79,6 @@ def _smoke_reference_run(request, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     log.close()
-    if threads[0] is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = threads[0]
-    torch.set_num_threads(threads[1])
 
 
 @pytest.fixture(scope="session")
