@@ -5,8 +5,16 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
-import torch
+# Two OpenMP threads that spin while they wait (the default) stall when another busy process holds one of the 2 cores:
+# at every operator's barrier they wait for a thread that is not running. The smoke reference run goes on beside the
+# other tests (``_smoke_reference_run``), so this process, the run and every process they start wait passively
+# instead: read by the OpenMP runtime when torch loads, so set before the import below. Measured with notebook 01 in
+# smoke mode on 2 cores: 68 s alone; 194 s beside a 2-thread neighbour with spinning threads; 71 s alone and 85 s
+# beside that neighbour with passive ones.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -54,7 +62,9 @@ SMOKE_REFERENCE_TIMEOUT_S = 2700  # ~17 min alone on 2 CPU cores; beside the oth
 @pytest.fixture(scope="session", autouse=True)
 def _smoke_reference_run(request, tmp_path_factory):
     """Start ``python -m ddpm_core.reference run --smoke`` in the background at the start of the session, when a selected
-    test needs it, so that the ~17 minutes it takes on 2 cores overlap the rest of the suite. Its log goes to a file;
+    test needs it, so that the ~17 minutes it takes on 2 cores overlap the rest of the suite. Its notebooks see the
+    tests' work beside them, and their comparisons say so (too noisy to state a ratio): the run checks that the series
+    runs and that its text follows its numbers, not what this machine measures. Its log goes to a file;
     ``smoke_reference`` waits for it. It gets a data folder of its own (it writes the 10,000-image synthetic set there)
     and a process group of its own, which is stopped if the session ends first."""
     import signal
