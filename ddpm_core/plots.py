@@ -229,10 +229,15 @@ def mark_caveat(fig: "plt.Figure", text: str) -> "plt.Figure":
 
 def _ratio_text(ratio: float, name: str, base_name: str, comparison: Any = None) -> str:
     """A bar's speedup label: the ratio of the two medians, or, where ``comparison`` (a ``bench.Comparison``
-    holding both variants) finds no measurable difference, "within noise" - as the text beside the figure says."""
+    holding both variants) states none, why, as its table does: "within noise" where the ranges overlap, "noisy" where
+    the machine was too busy or the repeats too wide to compare (a 12x gap on a busy machine is not "within noise"),
+    "too few repeats" where too few calls were timed."""
     if comparison is None or name == base_name:
         return f"{ratio:.2f}x"
-    return "within noise" if comparison.speedup(name, base_name) is None else f"{ratio:.2f}x"
+    if comparison.speedup(name, base_name) is not None:
+        return f"{ratio:.2f}x"
+    why = comparison.factor(name, base_name)
+    return "within noise" if why == "no measurable difference" else why
 
 
 def _checked(fig: "plt.Figure", checked: bool) -> "plt.Figure":
