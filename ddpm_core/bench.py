@@ -1241,6 +1241,19 @@ def amdahl_bound(step_ms: float, part_ms: float) -> float:
     return math.inf if rest == 0 else step_ms / rest
 
 
+def part_change_bounds(step_ms: float, part_ms: float, new_part_ms: float) -> tuple[float, float]:
+    """The range a whole-step throughput factor can take when a change touches only one part of the step: the part
+    takes ``part_ms`` of the ``step_ms`` step, and ``new_part_ms`` after the change (both timed alone).
+
+    Returns ``(lowest, highest)``: the step cannot get slower than adding the part's extra time on top
+    (step / (step + max(new - part, 0))), nor faster than making the part free (``amdahl_bound``). A measured factor
+    outside this range is not the change's doing: it is drift between the rounds that the interleaving did not cancel.
+    """
+    if step_ms <= 0 or part_ms < 0 or new_part_ms < 0:
+        raise ValueError(f"need step_ms > 0 and part times >= 0, got {step_ms}, {part_ms} and {new_part_ms}")
+    return step_ms / (step_ms + max(new_part_ms - part_ms, 0.0)), amdahl_bound(step_ms, part_ms)
+
+
 def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "pd.DataFrame":
     """Which ``scaled_dot_product_attention`` backends accept these inputs, and which one the
     dispatcher picks by default. Each backend is forced with ``torch.nn.attention.sdpa_kernel``;

@@ -199,3 +199,10 @@ def test_every_attention_block_is_timed_and_the_bound_is_amdahls():
     assert bench.amdahl_bound(100.0, 100.0) == float("inf")
     with pytest.raises(ValueError, match="step_ms > 0"):
         bench.amdahl_bound(0.0, 1.0)
+    # a change of one part: 09b's ablation copies. A 5 ms fused optimizer step that takes 8 ms unfused can make a
+    # 100 ms step at most 3 ms slower, and at most 1/0.95 faster (the fused step made free)
+    low, high = bench.part_change_bounds(100.0, 5.0, 8.0)
+    assert low == pytest.approx(100 / 103) and high == pytest.approx(100 / 95)
+    assert bench.part_change_bounds(100.0, 5.0, 2.0)[0] == 1.0  # a part that got faster cannot slow the step
+    with pytest.raises(ValueError, match="part times >= 0"):
+        bench.part_change_bounds(100.0, -1.0, 2.0)
