@@ -846,9 +846,63 @@ def unpack_all(archives: Sequence[Path], root: Path | None = None, figures: Path
     return done
 
 
+def _timed_notebook_part(out: Path, smoke: bool, prefixes: list[str], only: Sequence[str] | None,
+                         keep_going: bool) -> tuple[float, dict]:
+    """One notebook part in a process of its own (``run(jobs=...)``): its seconds and ``_part_notebooks``' detail."""
+    start = time.perf_counter()
+    detail = _part_notebooks(out, smoke, prefixes, only, keep_going) or {}
+    return time.perf_counter() - start, detail
+
+
+_MP_START = "spawn"  # how run(jobs=...) starts its part processes: fresh ones, not forks of one that holds torch's threads
+
+
+def _run_side_by_side(out: Path, smoke: bool, parts: list[str], only: Sequence[str] | None, keep_going: bool, jobs: int,
+                      begin: Callable, finished: Callable, interrupted: Callable) -> None:
+    """``run``'s notebook ``parts``, ``jobs`` at a time in their order, each in a process of its own (the kernels
+    papermill starts read their settings from that process's environment, which each part sets for its own). This
+    process alone writes the folder's status, results and archives, as each part ends, in the order they end.
+    Without ``keep_going`` a failed part starts no other; the parts still running end and are recorded first."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    queue, running, stop = list(parts), {}, None
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(_MP_START)) as pool:
+        def start_more() -> None:
+            while queue and stop is None and len(running) < jobs:
+                part = queue.pop(0)
+                begin(part)
+                fut = pool.submit(_timed_notebook_part, out, smoke, NOTEBOOK_PARTS[part], only, keep_going)
+                running[fut] = (part, time.perf_counter())
+
+        try:
+            start_more()
+            while running:
+                ended, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
+                for fut in ended:
+                    part, started = running.pop(fut)
+                    try:
+                        try:
+                            seconds, detail = fut.result()
+                        except Exception as e:  # noqa: BLE001 - the part's failure, recorded as one by one
+                            finished(part, time.perf_counter() - started, error=e)  # raises without keep_going
+                            continue
+                        stems = [nb.stem for nb in _chosen(NOTEBOOK_PARTS[part], only)]
+                        finished(part, seconds, {**detail, **collect(out, stems)})
+                    except RuntimeError as e:
+                        stop = stop or e
+                start_more()
+        except KeyboardInterrupt:
+            for part, started in running.values():
+                interrupted(part, time.perf_counter() - started)
+            raise
+    if stop is not None:
+        raise stop
+
+
 def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[str] | None = None,
         force: bool = False, notebooks: Sequence[str] | None = None, keep_going: bool = False,
-        archive_to: Path | None = None) -> Path:
+        archive_to: Path | None = None, jobs: int = 1) -> Path:
     """Run the reference ``parts`` (default: all) into ``out``; skip parts already done unless ``force``.
 
     A part that raises is recorded as failed in parts.json; the run stops there unless
@@ -857,6 +911,9 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     ``archive_to``: after every part, pack into that folder (``<name>.tar.gz``) what this run added to ``out``:
     the files new or changed since it started (``record_base``, ``pack(delta=True)``), or the whole folder where it
     started from an empty one. ``unpack`` puts such an archive over the folder it started from.
+    ``jobs``: in smoke mode only, how many notebook parts run side by side, each in a process of its own (the test
+    suite runs two on 2 cores: a notebook alone keeps about 1.25 of them busy, so one alone leaves most of a core idle).
+    Their timings then share the CPU, and their comparisons say so; a full run's parts share one GPU, so it takes one.
     """
     import torch
 
@@ -864,6 +921,11 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     unknown = [p for p in (parts or []) if p not in PARTS]
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; the parts are {PARTS}")
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a whole number of at least 1, got {jobs!r}")
+    if jobs > 1 and not smoke:
+        raise ValueError(f"jobs={jobs} runs notebook parts side by side, which only a smoke run may do: in full mode "
+                         "they would share the GPU and time each other. Fix: --jobs 1 (the default), or --smoke.")
     # absolute: the notebooks run in notebooks/, where a relative --out would name another folder
     out = Path(out).resolve() if out is not None else default_out(smoke)
     out.mkdir(parents=True, exist_ok=True)
@@ -890,48 +952,70 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         **{name: (lambda pre=pre: notebook_part(pre)) for name, pre in NOTEBOOK_PARTS.items()},
         "pack": lambda: _part_pack(out, smoke),
     }
-    print(f"reference run -> {out} ({'smoke' if smoke else 'full'} mode)", flush=True)
-    total = 0.0
+    print(f"reference run -> {out} ({'smoke' if smoke else 'full'} mode)" + (f", {jobs} notebook parts at a time" if jobs > 1 else ""),
+          flush=True)
+    total, run_start = 0.0, time.perf_counter()  # total: the parts' own seconds (more than the wall time side by side)
     failed: list[str] = []
-    for part in parts or PARTS:
-        if status.get(part, {}).get("status") == "done" and not force:
-            print(f"[{part}] already done ({status[part]['seconds']:.0f} s): skipped", flush=True)
-            continue
+
+    def begin(part: str) -> None:
         print(f"[{part}] ...", flush=True)
         status[part] = {"status": "running", "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         status_path.write_text(json.dumps(status, indent=1))  # a command killed here leaves "running": redone next time
-        start = time.perf_counter()
-        try:
-            detail = actions[part]() or {}
-        except KeyboardInterrupt:  # the deadline's SIGINT (scripts/gpu_call.sh) or Ctrl+C: keep what it shows
-            status[part] = {"status": "interrupted", "seconds": round(time.perf_counter() - start, 1)}
-            status_path.write_text(json.dumps(status, indent=1))
-            print(f"[{part}] INTERRUPTED after {status[part]['seconds']:.0f} s: packing what it wrote", flush=True)
-            _archive_to(out, archive_to, chain)  # the executed notebook so far (papermill saves it as cells end)
-            raise
-        except Exception as e:
-            seconds = time.perf_counter() - start
-            total += seconds
-            status[part] = {"status": "failed", "seconds": round(seconds, 1), "error": f"{type(e).__name__}: {e}"}
+
+    def interrupted(part: str, seconds: float) -> None:
+        status[part] = {"status": "interrupted", "seconds": round(seconds, 1)}
+        status_path.write_text(json.dumps(status, indent=1))
+        print(f"[{part}] INTERRUPTED after {status[part]['seconds']:.0f} s: packing what it wrote", flush=True)
+        _archive_to(out, archive_to, chain)  # the executed notebook so far (papermill saves it as cells end)
+
+    def finished(part: str, seconds: float, detail: dict | None = None, error: BaseException | None = None) -> None:
+        nonlocal total
+        total += seconds
+        if error is not None:
+            status[part] = {"status": "failed", "seconds": round(seconds, 1), "error": f"{type(error).__name__}: {error}"}
             status_path.write_text(json.dumps(status, indent=1))
             _archive_to(out, archive_to, chain)
             if not keep_going:
-                raise RuntimeError(f"reference part {part!r} failed: {type(e).__name__}: {e} "
-                                   f"(status in {status_path})") from e
-            print(f"[{part}] FAILED after {seconds:.0f} s: {type(e).__name__}: {e}", flush=True)
+                raise RuntimeError(f"reference part {part!r} failed: {type(error).__name__}: {error} "
+                                   f"(status in {status_path})") from error
+            print(f"[{part}] FAILED after {seconds:.0f} s: {type(error).__name__}: {error}", flush=True)
             failed.append(part)
-            continue
-        seconds = time.perf_counter() - start
-        total += seconds
+            return
         # a reference made across sessions: each part says when and from which commit (meta.json has the first part's)
         status[part] = {"status": "done", "seconds": round(seconds, 1), "finished": _now(),
-                        "git_commit": os.environ.get("DDPM_GIT_COMMIT") or _git("rev-parse", "HEAD"), **detail}
+                        "git_commit": os.environ.get("DDPM_GIT_COMMIT") or _git("rev-parse", "HEAD"), **(detail or {})}
         status_path.write_text(json.dumps(status, indent=1))
         _archive_to(out, archive_to, chain)
         over = " OVER BUDGET" if seconds > PART_BUDGET_S else ""
         print(f"[{part}] done in {seconds:.0f} s (budget {PART_BUDGET_S} s per part){over}", flush=True)
+
+    todo = [p for p in parts or PARTS if force or status.get(p, {}).get("status") != "done"]
+    for part in parts or PARTS:
+        if part not in todo:
+            print(f"[{part}] already done ({status[part]['seconds']:.0f} s): skipped", flush=True)
+    side_by_side = [p for p in todo if p in NOTEBOOK_PARTS] if jobs > 1 else []
+    if side_by_side:  # they run where the first of them stands in the order; the others (meta, tests, pack) one by one
+        at = todo.index(side_by_side[0])
+        todo = [p for p in todo[:at] if p not in side_by_side] + ["notebook parts"] + [p for p in todo[at:] if p not in side_by_side]
+    for part in todo:
+        if part == "notebook parts":
+            _run_side_by_side(out, smoke, side_by_side, notebooks, keep_going, jobs, begin, finished, interrupted)
+            continue
+        begin(part)
+        start = time.perf_counter()
+        try:
+            detail = actions[part]() or {}
+        except KeyboardInterrupt:  # the deadline's SIGINT (scripts/gpu_call.sh) or Ctrl+C: keep what it shows
+            interrupted(part, time.perf_counter() - start)
+            raise
+        except Exception as e:
+            finished(part, time.perf_counter() - start, error=e)
+            continue
+        finished(part, time.perf_counter() - start, detail)
     done = [p for p in PARTS if isinstance(status.get(p), dict) and status[p].get("status") == "done"]
-    print(f"this command: {total:.0f} s; parts done in {out.name}: {len(done)} of {len(PARTS)} "
+    wall = time.perf_counter() - run_start
+    print(f"this command: {wall:.0f} s" + (f" ({total:.0f} s of parts side by side)" if total > wall + 1 else "")
+          + f"; parts done in {out.name}: {len(done)} of {len(PARTS)} "
           f"(`python -m ddpm_core.reference status` for the table)", flush=True)
     if failed:
         raise RuntimeError(f"reference parts failed: {', '.join(failed)} (errors in {status_path})")
@@ -985,6 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--parts", nargs="+", default=None, choices=PARTS, help=f"parts to run (default: all: {PARTS})")
     r.add_argument("--notebooks", nargs="+", default=None, help="only these notebooks: numbers (03 03b) or name prefixes (03_batch)")
     r.add_argument("--force", action="store_true", help="redo parts already done")
+    r.add_argument("--jobs", type=int, default=1,
+                   help="smoke mode only: notebook parts run side by side, each in its own process (default 1)")
     r.add_argument("--keep-going", action="store_true", help="after a part fails, run the others (exit 1 at the end)")
     r.add_argument("--archive-to", default=None, metavar="DIR",
                    help="after every part, pack the folder into DIR/<name>.tar.gz (e.g. $OUT on a device machine)")
@@ -1003,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             smoke = True if args.smoke else (False if args.full else None)
             run(args.out, smoke=smoke, parts=args.parts, force=args.force, notebooks=args.notebooks,
-                keep_going=args.keep_going, archive_to=Path(args.archive_to) if args.archive_to else None)
+                keep_going=args.keep_going, archive_to=Path(args.archive_to) if args.archive_to else None, jobs=args.jobs)
         elif args.cmd == "status":
             print(status_markdown())
         elif args.cmd == "pack":

@@ -56,6 +56,7 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=_uses_smoke_reference)  # stable: the order within each group is kept
 
 
+SMOKE_REFERENCE_JOBS = 2
 SMOKE_REFERENCE_TIMEOUT_S = 2700  # ~17 min alone on 2 CPU cores; beside the other tests, up to about half as long again
 
 
@@ -78,7 +79,10 @@ def _smoke_reference_run(request, tmp_path_factory):
     env = {**os.environ, "DDPM_DATA_DIR": str(root / "data"), "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
            "PYTHONUNBUFFERED": "1"}
     log = open(root / "run.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "ddpm_core.reference", "run", "--smoke", "--out", str(root / "cpu-smoke")],
+    # two notebook parts at a time: one alone keeps about 1.25 of 2 cores busy, and once the other tests are done
+    # (about 14 minutes in) a lone part left most of a core idle for the rest of the run
+    proc = subprocess.Popen([sys.executable, "-m", "ddpm_core.reference", "run", "--smoke", "--jobs", str(SMOKE_REFERENCE_JOBS),
+                             "--out", str(root / "cpu-smoke")],
                             env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     started = time.perf_counter()
     yield proc, root, env, log, started

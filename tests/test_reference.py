@@ -274,6 +274,52 @@ def test_keep_going_runs_past_a_failed_part_and_every_part_is_packed_as_it_ends(
     assert "ref/notebooks/02.ipynb" not in names  # there before that command began
 
 
+def test_side_by_side_parts_run_in_processes_of_their_own_and_leave_the_folder_whole(tmp_path, monkeypatch):
+    """run(jobs=2), as the test suite's smoke run uses it: notebook parts two at a time, each in a process of its own
+    (forked here, so that the fake below reaches them; the real run starts fresh ones), recorded as they end."""
+    import os
+
+    def fake(out, smoke, prefixes, only, keep_going=False):
+        os.environ["DDPM_SMOKE"] = "part " + prefixes[0]  # what a part sets stays in its own process
+        time.sleep(1.0 if prefixes == ["02"] else 0.1)
+        if prefixes == ["03"]:
+            raise series.NotebookFailed("03_batch_size.ipynb: cell 4 raised OutOfMemoryError")
+        (out / "notebooks").mkdir(exist_ok=True)
+        (out / "notebooks" / f"{prefixes[0]}.ipynb").write_text(str(os.getpid()))
+        (out / reference.WORK / "results").mkdir(parents=True, exist_ok=True)
+        (out / reference.WORK / "results" / f"{prefixes[0]}.csv").write_text(f"notebook,value\n{prefixes[0]},1\n")
+        return {"notebooks": {prefixes[0]: 1.0}}
+
+    monkeypatch.setattr(reference, "_part_notebooks", fake)
+    monkeypatch.setattr(reference, "_MP_START", "fork")
+    smoke_before = os.environ.get("DDPM_SMOKE")
+    out, parts = tmp_path / "ref", ["nb-02", "nb-03", "nb-04", "pack"]
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="parts failed: nb-03"):
+        reference.run(out, smoke=True, parts=parts, keep_going=True, jobs=2)
+    assert time.perf_counter() - start < 1.0 + 0.1 + 0.1 + 5  # side by side: 04 ran while 02 slept
+    assert os.environ.get("DDPM_SMOKE") == smoke_before
+    status = json.loads((out / "parts.json").read_text())
+    assert [status[p]["status"] for p in parts] == ["done", "failed", "done", "done"]
+    assert "OutOfMemoryError" in status["nb-03"]["error"]
+    pid = {n: int((out / "notebooks" / f"{n}.ipynb").read_text()) for n in ("02", "04")}
+    assert os.getpid() not in pid.values() and pid["02"] != pid["04"]
+    assert sorted(pd.read_csv(out / "results.csv")["notebook"].astype(str)) == ["2", "4"]  # collected by this process
+    # without keep_going a failure starts no later part, and the part running beside it is still recorded
+    with pytest.raises(RuntimeError, match="reference part 'nb-03' failed"):
+        reference.run(tmp_path / "ref2", smoke=True, parts=["nb-02", "nb-03", "nb-04"], jobs=2)
+    status = json.loads((tmp_path / "ref2" / "parts.json").read_text())
+    assert status["nb-02"]["status"] == "done" and status["nb-03"]["status"] == "failed" and "nb-04" not in status
+
+
+def test_parts_side_by_side_are_refused_in_full_mode_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="only a smoke run may do.*Fix: --jobs 1"):
+        reference.run(tmp_path / "full", smoke=False, jobs=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        reference.run(tmp_path / "full", smoke=True, jobs=0)
+    assert not (tmp_path / "full").exists()
+
+
 def test_a_part_killed_from_outside_stays_running_and_the_next_run_does_it_again(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(reference, "_part_notebooks", lambda out, smoke, pre, *a: calls.append(pre[0]) or {})
