@@ -60,6 +60,9 @@ REFERENCE_DIR = REPO_ROOT / "data" / "reference"
 # one device command is at most 10 minutes; keep 2 in hand. A detached run (scripts/gpu_call.sh --detach) outlives
 # one command and gives each notebook its whole deadline through DDPM_PART_BUDGET_S.
 PART_BUDGET_S = int(os.environ.get("DDPM_PART_BUDGET_S") or 8 * 60)
+# A cell's limit in a smoke run, which has no device session to fit: the test suite's, two parts side by side beside
+# the other tests on 2 cores, took 353 s for 04's cold compile of the tiny model (133 s alone).
+SMOKE_CELL_TIMEOUT_S = 1500
 ARCHIVE_LIMIT_BYTES = 15 * 2**20
 # A run that packs after every part (``--archive-to``) closes an archive once it holds this much and starts the next
 # one from there, so that no archive holds more than this plus one part (nb-02's traces are several MB), and a part
@@ -560,7 +563,8 @@ def _part_notebooks(out: Path, smoke: bool, prefixes: list[str], only: Sequence[
             # rows of an earlier try of this notebook (failed, killed or --force) must not count twice
             (out / WORK / "results" / f"{nb.stem}.csv").unlink(missing_ok=True)
             try:
-                run = run_notebook(nb, out / "notebooks", smoke=smoke, figures=out / "figures", timeout=PART_BUDGET_S)
+                run = run_notebook(nb, out / "notebooks", smoke=smoke, figures=out / "figures",
+                                   timeout=max(PART_BUDGET_S, SMOKE_CELL_TIMEOUT_S) if smoke else PART_BUDGET_S)
             except NotebookFailed as e:
                 if not keep_going:
                     raise

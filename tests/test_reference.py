@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -510,10 +511,19 @@ def test_the_gpu_tests_go_in_three_parts_that_together_select_every_gpu_test_onc
     assert len({log for _, log in reference.GPU_TEST_PARTS.values()}) == 3
     assert reference.PARTS[:4] == ["meta", "gpu-tests", "gpu-tests-slow", "gpu-tests-autotune"]
 
+    # One collection (each took a Python start and every test module's imports), with each test's markers; the parts'
+    # -m expressions (names joined by and, or, not) are then evaluated on them as pytest would.
+    plugin = ("import json, pytest\n"
+              "class Markers:\n"
+              "    def pytest_collection_finish(self, session):\n"
+              "        print('MARKERS ' + json.dumps({i.nodeid: sorted({m.name for m in i.iter_markers()}) for i in session.items}))\n"
+              "pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/test_gpu.py'], plugins=[Markers()])\n")
+    out = subprocess.run([sys.executable, "-c", plugin], cwd=series.REPO_ROOT, capture_output=True, text=True).stdout
+    markers = json.loads(next(line for line in out.splitlines() if line.startswith("MARKERS "))[len("MARKERS "):])
+
     def collected(expr):
-        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", expr, "-p", "no:cacheprovider",
-                              "tests/test_gpu.py"], cwd=series.REPO_ROOT, capture_output=True, text=True).stdout
-        return [line for line in out.splitlines() if "::" in line]
+        names = set(re.findall(r"[A-Za-z_]\w*", expr)) - {"and", "or", "not"}
+        return [test for test, marks in markers.items() if eval(expr, {"__builtins__": {}}, {n: n in marks for n in names})]
 
     every = collected("gpu")
     parts = [collected(expr) for expr, _ in reference.GPU_TEST_PARTS.values()]
