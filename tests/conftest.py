@@ -57,13 +57,13 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 SMOKE_REFERENCE_JOBS = 2
-SMOKE_REFERENCE_TIMEOUT_S = 2700  # ~17 min alone on 2 CPU cores; beside the other tests, up to about half as long again
+SMOKE_REFERENCE_TIMEOUT_S = 2700  # ~17 min alone on 2 CPU cores, one part at a time; 19 min two at a time beside the tests
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _smoke_reference_run(request, tmp_path_factory):
     """Start ``python -m ddpm_core.reference run --smoke`` in the background at the start of the session, when a selected
-    test needs it, so that the ~17 minutes it takes on 2 cores overlap the rest of the suite. Its notebooks see the
+    test needs it, so that the 17-19 minutes it takes on 2 cores overlap the rest of the suite. Its notebooks see the
     tests' work beside them, and their comparisons say so (too noisy to state a ratio): the run checks that the series
     runs and that its text follows its numbers, not what this machine measures. Its log goes to a file;
     ``smoke_reference`` waits for it. It gets a data folder of its own (it writes the 10,000-image synthetic set there)
