@@ -278,8 +278,6 @@ def test_keep_going_runs_past_a_failed_part_and_every_part_is_packed_as_it_ends(
 def test_side_by_side_parts_run_in_processes_of_their_own_and_leave_the_folder_whole(tmp_path, monkeypatch):
     """run(jobs=2), as the test suite's smoke run uses it: notebook parts two at a time, each in a process of its own
     (forked here, so that the fake below reaches them; the real run starts fresh ones), recorded as they end."""
-    import os
-
     def fake(out, smoke, prefixes, only, keep_going=False):
         os.environ["DDPM_SMOKE"] = "part " + prefixes[0]  # what a part sets stays in its own process
         time.sleep(1.0 if prefixes == ["02"] else 0.1)
