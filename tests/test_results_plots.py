@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import matplotlib.colors
 import pandas as pd
 import pytest
 import torch
@@ -371,6 +372,11 @@ def test_the_waterfall_prints_no_ratio_where_the_comparison_states_none():
                           cumulative_separated=[True, False, True, True])
     assert _texts(fig) == ["1.00x: the baseline", "total within noise\nstep within noise", "total 2.00x\nstep 1.90x",
                            "total 1.93x\nstep within noise"]
+    # on a busy run the comparison says why it states no ratio, and the bar says so too, not "within noise"
+    fig = plots.waterfall(stages, label="t", separated=[True, "noisy", "noisy", "noisy"],
+                          cumulative_separated=[True, "noisy", "noisy", "too few repeats"])
+    assert _texts(fig)[1:] == ["total noisy\nstep noisy", "total noisy\nstep noisy", "total too few repeats\nstep noisy"]
+    assert {bar.get_facecolor() for bar in fig.axes[0].patches[1:]} == {matplotlib.colors.to_rgba("C7")}  # all grey
 
 
 def test_bar_labels_stay_inside_the_axes_and_off_the_reference_lines():
