@@ -168,6 +168,12 @@ class Ceiling:
     def noisy(self) -> bool:
         return bool(self.noise_reasons)
 
+    @property
+    def how_noisy(self) -> str:
+        """"on a noisy machine" where other work competed, else "with noisy repeats" (a quiet machine can still
+        time a few small shapes unevenly): the words a caveat uses."""
+        return "on a noisy machine" if self.noise is not None and self.noise.busy else "with noisy repeats"
+
     def summary(self) -> str:
         """What was measured, in sentences made from the numbers."""
         conv_share = self.conv_flops / self.step_flops if self.step_flops else 0.0
@@ -183,7 +189,7 @@ class Ceiling:
         else:
             s += f" {self.why_no_datasheet}."
         if self.noisy:
-            s += " Measured on a noisy machine, so take these rates as rough: " + "; ".join(self.noise_reasons) + "."
+            s += f" Timed {self.how_noisy}, so take these rates as rough: " + "; ".join(self.noise_reasons) + "."
         return s
 
     def rows(self) -> list[dict[str, Any]]:

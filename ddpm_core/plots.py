@@ -617,7 +617,7 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
             ax2.annotate(f"pays off after {e:,.0f} steps", (e, (r["first_ms"] + e * r["median_ms"]) / 1e3),
                          xytext=(4, -12), textcoords="offset points", fontsize=8, color=f"C{i}")
         elif i and comparison is not None and r["median_ms"] < base["median_ms"]:
-            ax2.annotate("no measurable speedup: no break-even", (horizon, (r["first_ms"] + horizon * r["median_ms"]) / 1e3),
+            ax2.annotate("no measurable speedup: no break-even stated", (horizon, (r["first_ms"] + horizon * r["median_ms"]) / 1e3),
                          xytext=(-4, -6), textcoords="offset points", fontsize=8, color=f"C{i}", ha="right", va="top")
     ax2.set_xlabel("training steps")
     ax2.set_ylabel("total time (s), compilation included")
@@ -1017,7 +1017,7 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
         ax2.axvline(ceiling.tflops, color="C3", ls="--", lw=1.2,
                     label=f"measured ceiling of our step ({ceiling.precision}"
                           f"{', channels_last' if ceiling.channels_last else ''}, batch {ceiling.batch_size}): "
-                          f"{ceiling.tflops:.3g} TFLOP/s" + (", rough: timed on a noisy machine" if ceiling.noisy else ""))
+                          f"{ceiling.tflops:.3g} TFLOP/s" + (f", rough: timed {ceiling.how_noisy}" if ceiling.noisy else ""))
         top = max(top, ceiling.tflops)
         if ceiling.datasheet is not None:
             ax2.axvline(ceiling.datasheet.tflops, color="k", ls=":", lw=1.2, label=f"datasheet: {ceiling.datasheet}")
@@ -1067,7 +1067,7 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
     # sits right of that line, and the axis ends where the longest label does
     _labels_in_view(ax, tuple(x for x, *_ in lines))
     if c.noisy:  # the bars' digits say more than the timings hold: the figure says so where it is seen without the text
-        mark_caveat(fig, "Timed on a noisy machine, so read these rates as rough: " + "; ".join(c.noise_reasons) + ".")
+        mark_caveat(fig, f"Timed {c.how_noisy}, so read these rates as rough: " + "; ".join(c.noise_reasons) + ".")
     return fig
 
 

@@ -17,10 +17,11 @@ def test_bench_peers_runs_in_smoke_mode_and_writes_one_row_per_contender(tmp_pat
     assert (rows["flops_per_step"] > 0).all() and rows["device_name"].notna().all()
     assert "skipped" not in printed
     # the measured ceiling: our two steps as a share of it; the other networks have none. A step can pass the
-    # ceiling only by noise, and a ceiling timed on a busy machine says so (then only the sign is checked).
+    # ceiling only by noise, and a ceiling timed on a busy machine, or with repeats that spread, says so (then only
+    # the sign is checked).
     share = rows["of_ceiling"].iloc[:3]
     assert (share > 0).all() and rows["of_ceiling"].iloc[3:].isna().all(), printed
-    assert "noisy machine" in printed or share.le(1.5).all(), printed
+    assert "take these rates as rough" in printed or share.le(1.5).all(), printed
     assert "The step's ceiling is" in printed
 
 
