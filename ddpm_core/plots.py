@@ -740,8 +740,11 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
     "total 1.25x · step 1.10x": its speedup over the first stage of the same run, and its own factor over the stage
     before. ``separated[i]`` False prints stage i's step as "within noise" (no ratio; a grey bar),
     ``cumulative_separated[i]`` False its total: the comparison stated no ratio there. An entry may instead be the
-    reason itself, as ``bench.Comparison.factor`` gives it ("noisy" where other work spoiled the run, "too few
-    repeats"): it is printed in place of the ratio, so a busy run's bars do not read "within noise"."""
+    reason itself, as ``bench.Comparison.factor`` gives it ("noisy" where other work or widely spread repeats hid
+    it, "too few repeats"): it is printed in place of the ratio, so a busy run's bars do not read "within noise"."""
+    def factor(kind: str, ok: bool | str, ratio: float) -> str:
+        return f"{kind} {ratio:.2f}x" if ok is True else f"{kind} {'within noise' if ok is False else ok}"
+
     set_style()
     stages = stages.reset_index(drop=True)
     cum = stages[y] / stages[y].iloc[0]
@@ -752,10 +755,6 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
         total_ok = True if cumulative_separated is None or i == 0 else cumulative_separated[i]
         color = "C7" if i == 0 or step_ok is not True else ("C2" if c >= p else "C3")
         ax.barh(i, c - p, left=p, color=color)
-
-        def factor(kind: str, ok: bool | str, ratio: float) -> str:
-            return f"{kind} {ratio:.2f}x" if ok is True else f"{kind} {'within noise' if ok is False else ok}"
-
         if i == 0:
             text = "1.00x: the baseline"
         else:  # two lines: on one, the labels took half the axis and squeezed the bars
