@@ -715,14 +715,16 @@ class Noise:
         """Whether the repeats of variant ``name`` spread by more than ``NOISY_SPREAD`` of their median."""
         return self.spreads.get(name, 0.0) > NOISY_SPREAD
 
-    def warning(self, rule: str | None = None) -> str:
+    def warning(self, rule: str | None = None, busy_rule: str | None = None) -> str:
         """'' on a quiet run; else why, and which ratios are still stated: ``Comparison``'s rule, or
-        ``rule`` where the caller compares by its own (a spread-only warning then ends with it)."""
+        ``rule`` where the caller compares by its own (a spread-only warning then ends with it); on a busy run
+        ``busy_rule``, where the caller still states something (default: no speedup at all)."""
         if not self.noisy:
             return ""
         if self.busy:
-            return ("Too noisy to compare: " + "; ".join(self.reasons) + ". No speedup is stated from this run; "
-                    "rerun on a quiet machine (close other programs) or with more rounds.")
+            return ("Too noisy to compare: " + "; ".join(self.reasons) + ". " + (
+                busy_rule or "No speedup is stated from this run; rerun on a quiet machine (close other programs) or "
+                             "with more rounds."))
         if rule is None:
             rule = ("Where a variant spread that widely, a ratio is stated only if the two per-image p10-p90 ranges "
                     f"lie at least {NOISY_SPREAD:.0%} apart (the slower one's p10 against the faster one's p90); "

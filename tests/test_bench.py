@@ -345,6 +345,10 @@ def test_wide_repeats_withhold_only_the_ratios_the_spread_can_explain():
     busy = bench.Comparison([fp32, bf16], bench.Noise(cores=2, load_1min=0.5, other_cpu_share=0.6, spreads=noise.spreads))
     assert busy.noise.busy and busy.speedup("bf16") is None and busy.factor("bf16") == "noisy"
     assert "Too noisy to compare" in busy.noise.warning()
+    # a caller that still states something on a busy run (07's data-wait verdicts) says what, instead of "no speedup"
+    own = busy.noise.warning(rule="unused on a busy run", busy_rule="Only the waits are compared.")
+    assert own.startswith("Too noisy to compare") and own.endswith("Only the waits are compared.")
+    assert "No speedup is stated" not in own and "unused" not in own
 
 
 def test_scaling_efficiency_above_1_05_is_a_measurement_problem_not_a_result():

@@ -372,10 +372,16 @@ def test_the_waterfall_prints_no_ratio_where_the_comparison_states_none():
                           cumulative_separated=[True, False, True, True])
     assert _texts(fig) == ["1.00x: the baseline", "total within noise\nstep within noise", "total 2.00x\nstep 1.90x",
                            "total 1.93x\nstep within noise"]
-    # on a busy run the comparison says why it states no ratio, and the bar says so too, not "within noise"
-    fig = plots.waterfall(stages, label="t", separated=[True, "noisy", "noisy", "noisy"],
-                          cumulative_separated=[True, "noisy", "noisy", "too few repeats"])
-    assert _texts(fig)[1:] == ["total noisy\nstep noisy", "total noisy\nstep noisy", "total too few repeats\nstep noisy"]
+    # from the comparison itself: where it states no ratio the bar says why, as its table does, and a busy run's bars
+    # read "noisy", not "within noise"
+    ms = [_spread("base", 200.0, 195, 205), _spread("+ a", 100.0, 98, 102), _spread("+ b", 98.0, 90, 110)]
+    rows = pd.DataFrame({"stage": [m.name for m in ms], "images_per_s": [m.images_per_s for m in ms]})
+    quiet = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={})
+    busy = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.5, spreads={})
+    fig = plots.waterfall(rows, label="t", comparison=bench.Comparison(ms, quiet))
+    assert _texts(fig)[1:] == ["total 2.00x\nstep 2.00x", "total 2.04x\nstep within noise"]
+    fig = plots.waterfall(rows, label="t", comparison=bench.Comparison(ms, busy))
+    assert _texts(fig)[1:] == ["total noisy\nstep noisy", "total noisy\nstep noisy"]
     assert {bar.get_facecolor() for bar in fig.axes[0].patches[1:]} == {matplotlib.colors.to_rgba("C7")}  # all grey
 
 
