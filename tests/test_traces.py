@@ -233,8 +233,11 @@ def test_events_per_step_counts_each_profiled_step_once_on_a_gpu_trace(gpu_trace
 def test_launch_summary_separates_launch_cost_from_queueing(cpu_capture, tmp_path):
     from gpu_trace import gpu_trace_from_cpu
 
+    # kernels far longer than the CPU's gaps between launches, so that they queue however slowly the CPU capture ran
+    # (at 400 us, a capture beside the test suite's background series spaced its launches enough to leave 826 us of
+    # queue delay, under the 1000 asserted below)
     busy = traces.analyze(gpu_trace_from_cpu(cpu_capture.trace_path, tmp_path / "busy" / "rank0.pt.trace.json.gz",
-                                             kernel_us=400, launch_us=6).parent, verbose=False).launch_summary
+                                             kernel_us=4000, launch_us=6).parent, verbose=False).launch_summary
     tiny = traces.analyze(gpu_trace_from_cpu(cpu_capture.trace_path, tmp_path / "tiny" / "rank0.pt.trace.json.gz",
                                              kernel_us=2, launch_us=8).parent, verbose=False).launch_summary
     assert list(busy.columns) == ["rank", "kernels", "launch_cpu_us", "kernel_us", "queue_delay_us", "launch_bound_share"]
