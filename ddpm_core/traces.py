@@ -431,9 +431,9 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
             df = hta_diff(False)
             note = (f"HTA's TraceDiff could not compare the GPU kernels of these traces ({type(e).__name__}: {e}), so "
                     "this table compares their CPU operators instead.")
-        except Exception:  # noqa: BLE001 - HTA cannot read them at all: count the operators from the files ourselves
-            df = _own_diff(before, after)
-            note = (f"HTA's TraceDiff could not read these traces ({type(e).__name__}: {e}), so this table compares "
+        except Exception as e2:  # noqa: BLE001 - HTA cannot read them at all: count the operators from the files ourselves
+            df = _own_diff(before, after)  # e2: the operator diff's error (the same as e where that was the one asked)
+            note = (f"HTA's TraceDiff could not read these traces ({type(e2).__name__}: {e2}), so this table compares "
                     "their CPU operators as counted from the trace files themselves: calls and inclusive time per "
                     "profiled step.")
         gpu = False

@@ -179,7 +179,7 @@ def test_hta_diffs_the_kernels_of_two_real_gpu_traces(tmp_path):
     for attention in ("math", "sdpa"):
         t = build(tiny_config(tmp_path, device="cuda", attention=attention, batch_size=8))
         profiling.capture(t.train_step, x, out_dir=tmp_path / attention, wait=1, warmup=1, active=2)
-    d = traces.diff(tmp_path / "math", tmp_path / "sdpa", top=30)
+    d = traces.diff(tmp_path / "math", tmp_path / "sdpa", top=500)
     assert d.attrs == {"compared": "kernels", "note": ""}, d.attrs
     assert len(d) and {"appeared", "vanished"} & set(d["change"]), d[["name", "change"]]
 
@@ -380,6 +380,13 @@ def test_a_gpu_trace_diff_that_hta_cannot_make_falls_back_to_operators_and_says_
         assert rows.loc["aten::bmm", "change"] == "vanished" and rows.loc["aten::bmm", "calls after"] == 0
         assert any("scaled_dot_product" in n and rows.loc[n, "change"] == "appeared" for n in rows.index)
     assert traces.diff_summary(own).startswith("Of the ")
+
+    def both_fail(control, test, device_type=DeviceType.CPU, **kw):  # the note names the error that forced the count
+        raise KeyError("stream") if device_type == DeviceType.GPU else ValueError("operators")
+
+    monkeypatch.setattr(TraceDiff, "compare_traces", staticmethod(both_fail))
+    own = traces.diff(tmp_path / "math", tmp_path / "sdpa", gpu=True)
+    assert "could not read these traces (ValueError: operators)" in own.attrs["note"], own.attrs["note"]
 
 
 def test_per_rank_turns_hta_wide_tables_to_one_column_per_rank():
