@@ -341,9 +341,26 @@ def test_wide_repeats_withhold_only_the_ratios_the_spread_can_explain():
     assert own.endswith("No efficiency is stated.") and "25% apart" not in own
     best, ties = c.best()
     assert best.name == "fp32" and {m.name for m in ties} == {"close", "same"}
-    # the same ranges on a busy machine: nothing is compared
-    busy = bench.Comparison([fp32, bf16], bench.Noise(cores=2, load_1min=0.5, other_cpu_share=0.6, spreads=noise.spreads))
-    assert busy.noise.busy and busy.speedup("bf16") is None and busy.factor("bf16") == "noisy"
+    # the same ranges on a busy machine: no ratio at all; a gap too wide for the noise (bf16's p10 over 2x fp32's p90)
+    # keeps its direction, a narrower one (close: separate, but within 2x) says "noisy"
+    busy = bench.Comparison([fp32, bf16, close], bench.Noise(cores=2, load_1min=0.5, other_cpu_share=0.6, spreads=noise.spreads))
+    assert busy.noise.busy and busy.speedup("bf16") is None and busy.speedup("close") is None
+    assert busy.far_apart("bf16") and busy.far_apart("fp32", "bf16") and not busy.far_apart("close")
+    assert busy.factor("bf16") == "slower, >2x apart, busy run" and busy.factor("close") == "noisy"
+    assert busy.factor("fp32", "bf16") == "faster, >2x apart, busy run"
+    assert busy.direction("bf16") == "slower" and busy.direction("close") is None and busy.direction("fp32") is None
+    assert c.direction("bf16") == "slower" and c.direction("close") is None  # quiet: where a ratio is stated
+    assert busy.verdict("bf16").startswith("slower, by far: even on this busy run") and "no ratio" in busy.verdict("bf16")
+    assert busy.verdict("close") == "not compared: too noisy (see the warning)"
+    assert list(busy.table()["speedup"]) == ["1.00x (baseline)", "slower, >2x apart, busy run", "noisy"]
+    assert "x the throughput" not in busy.report() and "0.08" not in busy.report()
+    best, ties = busy.best()  # fp32 is not far apart from close: no winner is called
+    assert best.name == "fp32" and [m.name for m in ties] == ["close"] and "too noisy" in busy.best_sentence()
+    two = bench.Comparison([fp32, bf16], busy.noise)  # far apart from every other variant: the fastest, by far
+    assert two.best()[1] == [] and two.best_sentence().startswith("**fp32** is the fastest, by far: even on this busy")
+    few = bench.Comparison([bench._measurement("fp32", torch.device("cpu"), 8, 210, [210.0, 211.0], None, "n/a", None, None,
+                                               "fp32"), bf16], busy.noise)  # two timed calls: no range, no direction
+    assert not few.far_apart("bf16") and few.factor("bf16") == "noisy"
     assert "Too noisy to compare" in busy.noise.warning()
     # a caller that still states something on a busy run (07's data-wait verdicts) says what, instead of "no speedup"
     own = busy.noise.warning(rule="unused on a busy run", busy_rule="Only the waits are compared.")
