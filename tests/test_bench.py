@@ -154,12 +154,15 @@ def test_loader_timing_splits_waiting_from_computing():
                 time.sleep(0.02)
                 yield torch.zeros(4, 3, 2, 2)
 
+    # A sleep never returns early, but on a loaded machine (the suite runs the series beside this test) it can return
+    # several ms late: each bound below allows up to 10 ms late per sleep, and the split must still put the 20 ms sleep
+    # in the data wait and the 10 ms one in the compute (CI once measured a data wait beyond 20 +/- 5 ms here).
     r = bench.loader_timing(SlowLoader(), lambda x: time.sleep(0.01), steps=5, warmup=1)
-    assert r["data_wait_ms"] == pytest.approx(20, abs=5) and r["compute_ms"] == pytest.approx(10, abs=5)
-    assert r["wait_share"] == pytest.approx(2 / 3, abs=0.1) and r["images_per_s"] == pytest.approx(4 / 0.03, rel=0.2)
+    assert 19 <= r["data_wait_ms"] <= 30 and 9.5 <= r["compute_ms"] <= 20 and r["data_wait_ms"] > r["compute_ms"]
+    assert 0.5 <= r["wait_share"] <= 0.76 and 4 / 0.05 <= r["images_per_s"] <= 4 / 0.03 * 1.05
     assert r["data_wait_p10_ms"] <= r["data_wait_ms"] * 1.2 and r["data_wait_p90_ms"] >= r["data_wait_p10_ms"] >= 15
     alone = bench.loader_throughput(SlowLoader(), batches=4, warmup=1)  # the loader without a step
-    assert alone["loader_images_per_s"] == pytest.approx(4 / 0.02, rel=0.25) and alone["batch_ms"] == pytest.approx(20, abs=6)
+    assert 4 / 0.03 <= alone["loader_images_per_s"] <= 4 / 0.02 * 1.05 and 19 <= alone["batch_ms"] <= 30
 
 
 # ------------------------------------------------------------------------------ GPU-path defects, caught on CPU
@@ -341,26 +344,14 @@ def test_wide_repeats_withhold_only_the_ratios_the_spread_can_explain():
     assert own.endswith("No efficiency is stated.") and "25% apart" not in own
     best, ties = c.best()
     assert best.name == "fp32" and {m.name for m in ties} == {"close", "same"}
-    # the same ranges on a busy machine: no ratio at all; a gap too wide for the noise (bf16's p10 over 2x fp32's p90)
-    # keeps its direction, a narrower one (close: separate, but within 2x) says "noisy"
+    # the same ranges on a busy machine: nothing is compared, not even the direction of a 12x gap (other work can slow
+    # one variant more than another: 06's bf16 step measured slower beside CPU burners than fp32, on a CPU where it was not)
     busy = bench.Comparison([fp32, bf16, close], bench.Noise(cores=2, load_1min=0.5, other_cpu_share=0.6, spreads=noise.spreads))
-    assert busy.noise.busy and busy.speedup("bf16") is None and busy.speedup("close") is None
-    assert busy.far_apart("bf16") and busy.far_apart("fp32", "bf16") and not busy.far_apart("close")
-    assert busy.factor("bf16") == "slower, >2x apart, busy run" and busy.factor("close") == "noisy"
-    assert busy.factor("fp32", "bf16") == "faster, >2x apart, busy run"
-    assert busy.direction("bf16") == "slower" and busy.direction("close") is None and busy.direction("fp32") is None
-    assert c.direction("bf16") == "slower" and c.direction("close") is None  # quiet: where a ratio is stated
-    assert busy.verdict("bf16").startswith("slower, by far: even on this busy run") and "no ratio" in busy.verdict("bf16")
-    assert busy.verdict("close") == "not compared: too noisy (see the warning)"
-    assert list(busy.table()["speedup"]) == ["1.00x (baseline)", "slower, >2x apart, busy run", "noisy"]
-    assert "x the throughput" not in busy.report() and "0.08" not in busy.report()
-    best, ties = busy.best()  # fp32 is not far apart from close: no winner is called
-    assert best.name == "fp32" and [m.name for m in ties] == ["close"] and "too noisy" in busy.best_sentence()
-    two = bench.Comparison([fp32, bf16], busy.noise)  # far apart from every other variant: the fastest, by far
-    assert two.best()[1] == [] and two.best_sentence().startswith("**fp32** is the fastest, by far: even on this busy")
-    few = bench.Comparison([bench._measurement("fp32", torch.device("cpu"), 8, 210, [210.0, 211.0], None, "n/a", None, None,
-                                               "fp32"), bf16], busy.noise)  # two timed calls: no range, no direction
-    assert not few.far_apart("bf16") and few.factor("bf16") == "noisy"
+    assert busy.noise.busy and busy.speedup("bf16") is None and busy.factor("bf16") == "noisy"
+    assert busy.verdict("bf16") == "not compared: too noisy (see the warning)" and "too noisy" in busy.best_sentence()
+    # noisy(): the notebooks' test for "the noise withheld this ratio" (factor == "noisy"), on both kinds of noise
+    assert busy.noisy("bf16") and busy.noisy("close") and c.noisy("close")
+    assert not c.noisy("bf16") and not c.noisy("same")  # stated, and overlapping: not withheld by the noise
     assert "Too noisy to compare" in busy.noise.warning()
     # a caller that still states something on a busy run (07's data-wait verdicts) says what, instead of "no speedup"
     own = busy.noise.warning(rule="unused on a busy run", busy_rule="Only the waits are compared.")
