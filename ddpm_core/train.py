@@ -113,7 +113,8 @@ class TrainConfig:
         t uniform (``tests/test_train.py`` checks that these fields equal the baseline's).
 
         On a CPU: bf16 only where the CPU has bf16 instructions (``env.cpu_bf16``), and no
-        compilation (no measurable gain in notebook 04 on a CPU, for 1-2 minutes of compiling).
+        compilation (notebook 04 measured no gain, or about 1.1x, on the 2-core CPUs it has run on, for 1-2 minutes
+        of compiling).
         ``overrides`` win over all of it.
         """
         from .env import cpu_bf16, gpu_memory_gib
