@@ -53,11 +53,11 @@ def cpu_bf16() -> tuple[bool, str]:
         has = "avx512_bf16" in flags or "amx_bf16" in flags
     if has:
         # Not a promise of speed: on a 2-core AMD EPYC with AVX512-BF16 (torch 2.14.1) the tiny model's bf16 step ran
-        # at 1.19x fp32's throughput on the quiet machine, and at a third of it with other work beside it, on oneDNN's
-        # kernels (aten::mkldnn_convolution) both times.
-        return True, (f"This CPU ({capability}) has bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions can run on "
-                      "oneDNN's bf16 kernels instead of the generic fallback. Whether that beats fp32 depends on the CPU and "
-                      "the layer sizes: the measurement below says.")
+        # at 1.19x fp32's throughput on the quiet machine, and at under a third of it with other work beside it, on
+        # oneDNN's kernels (aten::mkldnn_convolution) both times.
+        return True, (f"This CPU ({capability}) has bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions can run "
+                      "on oneDNN's bf16 kernels instead of the generic fallback. Whether that beats fp32 depends on the "
+                      "CPU and the layer sizes: the measurement below says.")
     return False, (f"This CPU ({capability}) has no bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions fall back "
                    "to slow generic kernels (aten::_slow_conv2d_forward), so expect a bf16 step to be much slower "
                    "than fp32 here. On a GPU (Ampere or newer) bf16 runs on tensor cores.")
