@@ -828,9 +828,9 @@ class Comparison:
         r = self.speedup(a, b)
         if r is not None:
             return f"{r:.2f}x"
-        if self.too_few(a, b) and not self.noise.busy:
-            return "too few repeats"
-        return "noisy" if self.noise.busy or self.too_close_for_the_spread(a, b) else "no measurable difference"
+        if self.noisy(a, b):
+            return "noisy"
+        return "too few repeats" if self.too_few(a, b) else "no measurable difference"
 
     def best(self) -> tuple[Measurement, list[Measurement]]:
         """The variant with the highest throughput, and the others it cannot be told apart from

@@ -734,14 +734,12 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
 
 def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "images_per_s",
               title: str = "Cumulative speedup, stage by stage",
-              separated: list[bool] | None = None, cumulative_separated: list[bool] | None = None,
               comparison: Any = None) -> "plt.Figure":
     """Each stage as a floating bar from the previous stage's speedup over the first stage to its own, labeled
     "total 1.25x · step 1.10x": its speedup over the first stage of the same run, and its own factor over the stage
-    before. ``separated[i]`` False prints stage i's step as "within noise" (no ratio; a grey bar),
-    ``cumulative_separated[i]`` False its total: the comparison stated no ratio there. With ``comparison`` (a
-    ``bench.Comparison`` holding every stage, named as in column ``x``) both come from its verdicts instead, and where
-    it states no ratio the label says why, as its table does ("within noise", "noisy", "too few repeats")."""
+    before. With ``comparison`` (a ``bench.Comparison`` holding every stage, named as in column ``x``) both come from
+    its verdicts, and where it states no ratio the label says why, as its table does ("within noise", "noisy", "too
+    few repeats"), on a grey bar; without one, every label is the ratio of the medians."""
     set_style()
     stages = stages.reset_index(drop=True)
     cum = stages[y] / stages[y].iloc[0]
@@ -751,14 +749,10 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
     for i, (name, c, p) in enumerate(zip(names, cum, prev)):
         if i == 0:
             stated, text = True, "1.00x: the baseline"
-        elif comparison is not None:
-            stated = comparison.speedup(name, names[i - 1]) is not None
+        else:  # two lines: on one, the labels took half the axis and squeezed the bars
+            stated = comparison is None or comparison.speedup(name, names[i - 1]) is not None
             text = (f"total {_ratio_text(c, name, names[0], comparison)}\n"
                     f"step {_ratio_text(c / p, name, names[i - 1], comparison)}")
-        else:  # two lines: on one, the labels took half the axis and squeezed the bars
-            stated = separated is None or separated[i]
-            text = (("total within noise" if cumulative_separated is not None and not cumulative_separated[i]
-                     else f"total {c:.2f}x") + "\n" + (f"step {c / p:.2f}x" if stated else "step within noise"))
         ax.barh(i, c - p, left=p, color="C7" if i == 0 or not stated else ("C2" if c >= p else "C3"))
         ax.text(max(c, p), i, text, va="center", fontsize=7.5, linespacing=1.1,
                 transform=ax.transData + matplotlib.transforms.ScaledTranslation(4 / 72, 0, fig.dpi_scale_trans))
@@ -772,7 +766,7 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
     _title(ax, title, label)
     fig.tight_layout()
     _labels_in_view(ax, (1.0,))  # the axis ends at the longest label, and no label runs across the baseline's line
-    return _checked(fig, separated is not None or comparison is not None)
+    return _checked(fig, comparison is not None)
 
 
 def _same_decimals(values: list, most: int = 4) -> list[str]:

@@ -368,12 +368,10 @@ def test_the_smoothed_loss_does_not_lag_the_raw_curve():
 
 def test_the_waterfall_prints_no_ratio_where_the_comparison_states_none():
     stages = pd.DataFrame({"stage": ["base", "+ a", "+ b", "+ c"], "images_per_s": [30.0, 31.5, 60.0, 58.0]})
-    fig = plots.waterfall(stages, label="t", separated=[True, False, True, False],
-                          cumulative_separated=[True, False, True, True])
-    assert _texts(fig) == ["1.00x: the baseline", "total within noise\nstep within noise", "total 2.00x\nstep 1.90x",
-                           "total 1.93x\nstep within noise"]
-    # from the comparison itself: where it states no ratio the bar says why, as its table does, and a busy run's bars
-    # read "noisy", not "within noise"
+    assert _texts(plots.waterfall(stages, label="t")) == ["1.00x: the baseline", "total 1.05x\nstep 1.05x",
+                                                         "total 2.00x\nstep 1.90x", "total 1.93x\nstep 0.97x"]
+    # from the comparison: where it states no ratio the bar says why, as its table does, and a busy run's bars read
+    # "noisy", not "within noise"
     ms = [_spread("base", 200.0, 195, 205), _spread("+ a", 100.0, 98, 102), _spread("+ b", 98.0, 90, 110)]
     rows = pd.DataFrame({"stage": [m.name for m in ms], "images_per_s": [m.images_per_s for m in ms]})
     quiet = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={})
@@ -402,7 +400,7 @@ def test_bar_labels_stay_inside_the_axes_and_off_the_reference_lines():
         return frame, [t.get_window_extent(r) for t in ax.texts]
 
     stages = pd.DataFrame({"stage": ["base", "+ a", "+ b"], "images_per_s": [30.0, 33.0, 29.0]})
-    ax = plots.waterfall(stages, label="t", separated=[True, True, False], cumulative_separated=[True, True, False]).axes[0]
+    ax = plots.waterfall(stages, label="t").axes[0]
     frame, boxes = placed(ax)
     assert max(b.x1 for b in boxes) > frame.x1 - 0.1 * frame.width  # no long empty stretch right of the labels
     shapes = pd.DataFrame({"shape": ["a", "b", "c"], "count": [1, 1, 1], "GFLOP": [1.0] * 3, "ms": [1.0] * 3,
