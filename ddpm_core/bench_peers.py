@@ -12,11 +12,13 @@ Contenders (each a full training step: noise, forward, loss, backward, clipping,
   as diffusers publishes it: same channels, attention at 16x16, so the same FLOPs), trained the way
   diffusers' ``examples/unconditional_image_generation/train_unconditional.py`` does: ``DDPMScheduler``
   (linear betas) ``add_noise``, MSE on the noise, AdamW (lr 1e-4, betas 0.95/0.999, weight decay 1e-6),
-  clipping at 1, ``EMAModel`` (0.9999), under bf16 autocast (its ``--mixed_precision bf16``);
+  clipping at 1, ``EMAModel`` (0.9999), under bf16 autocast (its ``--mixed_precision bf16``; on a GPU without
+  bf16 hardware, such as a T4, fp16 autocast with a GradScaler, as accelerate runs ``--mixed_precision fp16``);
 - ``lucidrains``: ``denoising-diffusion-pytorch``'s ``Unet(dim=64, dim_mults=(1, 2, 4, 8), flash_attn=True)``
   and ``GaussianDiffusion(timesteps=1000)`` as its README configures them, at 32x32, trained the way its
   ``Trainer`` does: Adam (lr 8e-5, betas 0.9/0.99), clipping at 1, ``ema_pytorch.EMA`` (0.995, every 10
-  steps), under bf16 autocast (its ``mixed_precision_type="bf16"``). A different network: its FLOPs
+  steps), under bf16 autocast (its ``mixed_precision_type="bf16"``; fp16 with a GradScaler where the GPU has no
+  bf16, as diffusers'). A different network: its FLOPs
   are counted on its own step, so TFLOP/s and MFU compare, images/s only roughly.
 
 TFLOP/s come from each step's own FLOP count (``torch.utils.flop_counter``), MFU against the dense bf16
@@ -32,7 +34,6 @@ one is reported and skipped.
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import sys
 from typing import Any, Callable
@@ -53,7 +54,13 @@ def _batch(batch_size: int, device: torch.device, seed: int = 0) -> torch.Tensor
 
 
 def _autocast(device: torch.device, precision: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=precision in ("bf16", "fp16"))
+
+
+def _scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """The loss scaler accelerate uses under fp16 (a pass-through otherwise)."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
 def ours(fast: bool, batch_size: int, device: torch.device, smoke: bool) -> tuple[Callable[[], Any], str, int]:
@@ -83,6 +90,7 @@ def diffusers_step(batch_size: int, device: torch.device, smoke: bool, precision
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
     ema = EMAModel(model.parameters(), decay=0.9999, use_ema_warmup=True, inv_gamma=1.0, power=3 / 4)
     ema.to(device)
+    scaler = _scaler(device, precision)
     clean = _batch(batch_size, device)
 
     def step() -> torch.Tensor:
@@ -93,9 +101,11 @@ def diffusers_step(batch_size: int, device: torch.device, smoke: bool, precision
         with _autocast(device, precision):
             pred = model(noisy, timesteps).sample
         loss = F.mse_loss(pred.float(), noise.float())
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)  # clipping reads the true gradients (accelerate's clip_grad_norm_ unscales first)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         ema.step(model.parameters())
         return loss.detach()
@@ -112,13 +122,16 @@ def lucidrains_step(batch_size: int, device: torch.device, smoke: bool, precisio
     opt = torch.optim.Adam(diffusion.parameters(), lr=8e-5, betas=(0.9, 0.99))
     ema = EMA(diffusion, beta=0.995, update_every=10).to(device)
     images = (_batch(batch_size, device) + 1) / 2  # its GaussianDiffusion takes images in [0, 1]
+    scaler = _scaler(device, precision)
 
     def step() -> torch.Tensor:
         with _autocast(device, precision):
             loss = diffusion(images)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(diffusion.parameters(), 1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         ema.update()
         return loss.detach()
@@ -133,9 +146,10 @@ def contenders(batch_size: int, device: torch.device, smoke: bool, fast_batch: i
     Every contender runs at ``batch_size``. ``fast_batch`` (where it differs) adds ``TrainConfig.fast()``
     at that batch too: the batch where its throughput saturates is part of the fast configuration.
     """
-    from .env import cpu_bf16
+    from .env import cpu_bf16, mixed_precision
 
-    peers_precision = "bf16" if device.type == "cuda" or cpu_bf16()[0] else "fp32"
+    # the fast step's 16-bit precision: bf16 (fp16 on a GPU without bf16 hardware), fp32 on a CPU without bf16 instructions
+    peers_precision = mixed_precision(device) if device.type == "cuda" or cpu_bf16()[0] else "fp32"
     variants, skipped = [], []
     def peer(make: Callable[..., Callable[[], Any]]) -> tuple[Callable[[], Any], str, int]:
         fn = make(batch_size, device, smoke, peers_precision)

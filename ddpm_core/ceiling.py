@@ -206,18 +206,19 @@ class Ceiling:
 def measure(model: str = "ddpm-cifar10", batch_size: int = 256, precision: str | None = None, device: str = "auto",
             channels_last: bool = True, cudnn_benchmark: bool = True, iters: int = 20, warmup: int = 5,
             matmul_n: int | None = None, progress: bool = True) -> Ceiling:
-    """Measure the ceiling of ``model``'s training step (module docstring). ``precision`` defaults to
-    bf16 on a GPU and on a CPU with bf16 instructions, fp32 elsewhere."""
+    """Measure the ceiling of ``model``'s training step (module docstring). ``precision`` defaults to the
+    fast step's: bf16 on a GPU (fp16 on one without bf16 hardware, ``env.mixed_precision``) and on a CPU with bf16
+    instructions, fp32 elsewhere."""
     from tqdm.auto import tqdm
 
-    from .env import cpu_bf16, device_name
+    from .env import cpu_bf16, device_name, mixed_precision
     from .train import TrainConfig, backend_flags, build, check_precision, resolve_device
 
     if batch_size < 1 or iters < 1 or warmup < 1:
         raise ValueError(f"need batch_size, iters and warmup >= 1; got {batch_size}, {iters}, {warmup}")
     dev = resolve_device(device)
     gpu = dev.type == "cuda"
-    precision = precision or ("bf16" if gpu or cpu_bf16()[0] else "fp32")
+    precision = precision or (mixed_precision(dev) if gpu else "bf16" if cpu_bf16()[0] else "fp32")
     if precision not in DTYPES:
         raise ValueError(f"unknown precision {precision!r}; valid values: {', '.join(map(repr, DTYPES))}")
     check_precision(precision, dev)
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="the tiny model at batch 4: a CPU check of the whole path")
     p.add_argument("--model", default=None, help="model preset (default: ddpm-cifar10; tiny with --smoke)")
     p.add_argument("--batch-size", type=int, default=None, help="default: 256 on a GPU, 16 on a CPU, 4 with --smoke")
-    p.add_argument("--precision", default=None, choices=sorted(DTYPES), help="default: bf16 where the device has it")
+    p.add_argument("--precision", default=None, choices=sorted(DTYPES), help="default: bf16 where the device has it (fp16 on a GPU without bf16)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="append the row to this results CSV (default: data/results/ceiling.csv)")
     args = p.parse_args(argv)

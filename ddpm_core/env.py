@@ -63,6 +63,44 @@ def cpu_bf16() -> tuple[bool, str]:
                    "than fp32 here. On a GPU (Ampere or newer) bf16 runs on tensor cores.")
 
 
+NO_BF16_ENV = "DDPM_GPU_NO_BF16"
+
+
+def gpu_bf16(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether this GPU has bf16 hardware, and a sentence saying what that means for a bf16 step on it.
+
+    ``torch.cuda.is_bf16_supported()`` answers True on older NVIDIA GPUs too (a T4, the free tier of hosted
+    notebooks; a V100): its default ``including_emulation=True`` only checks that a bf16 tensor can be made. Before
+    Ampere (compute capability 8.0) no tensor core runs bf16 and cuDNN has no bf16 convolutions, so PyTorch sends
+    them to slow fallback kernels. Their tensor cores run fp16: fp16 autocast with the GradScaler is their mixed
+    precision (``mixed_precision``). ROCm GPUs answer for themselves (PyTorch treats them all as bf16-capable).
+    ``DDPM_GPU_NO_BF16=1`` answers no on any GPU: with ``DDPM_GPU_MEMORY_GB=16`` it rehearses a T4 on a bigger card.
+    """
+    device = torch.device(device) if device is not None else torch.device("cuda")  # "cuda": the current GPU
+    name = torch.cuda.get_device_name(device)
+    if os.environ.get(NO_BF16_ENV) == "1":
+        return False, (f"{name}: bf16 is switched off by {NO_BF16_ENV}=1 (rehearsing a GPU without bf16 hardware, such "
+                       "as a T4). Use precision='fp16' (autocast with the GradScaler), or 'fp32'; unset it for bf16.")
+    if torch.version.hip:
+        return True, f"{name} (ROCm) runs bf16."
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return True, f"{name} (compute capability {major}.{minor}) has bf16 tensor cores."
+    return False, (f"{name} (compute capability {major}.{minor}) has no bf16 hardware: bf16 came with Ampere (8.0). "
+                   "PyTorch would emulate it, with the convolutions on slow fallback kernels and no tensor cores. "
+                   "Its tensor cores run fp16: use precision='fp16' (autocast with the GradScaler), or 'fp32'.")
+
+
+def mixed_precision(device: torch.device | str) -> str:
+    """The 16-bit autocast precision the series uses on ``device``: ``"bf16"`` on a CPU (whether it is fast there
+    is the CPU's question: ``cpu_bf16``) and on a GPU with bf16 hardware; ``"fp16"`` (autocast with the GradScaler)
+    on an older GPU, whose tensor cores run fp16 only (``gpu_bf16``)."""
+    device = torch.device(device)
+    if device.type != "cuda" or gpu_bf16(device)[0]:
+        return "bf16"
+    return "fp16"
+
+
 MEMORY_CAP_ENV = "DDPM_GPU_MEMORY_GB"
 
 
@@ -133,6 +171,7 @@ def describe(device: torch.device | str | None = None) -> dict[str, str]:
     if device.type == "cuda":
         info["cudnn"] = str(torch.backends.cudnn.version())
         info["compute capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        info["bf16 hardware"] = "yes" if gpu_bf16(device)[0] else "no (its mixed precision is fp16 + GradScaler)"
         total, usable = torch.cuda.get_device_properties(device).total_memory / 2**30, gpu_memory_gib(device)
         info["gpu memory"] = (f"{total:.1f} GiB" if usable >= total else
                               f"{usable:g} GiB of {total:.1f} GiB (capped by {MEMORY_CAP_ENV})")

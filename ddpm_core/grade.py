@@ -34,7 +34,7 @@ EXPECTED: dict[str, list[str]] = {
     "03b_memory": [r"^no checkpointing$", r"^activation checkpointing$"],
     "04_torch_compile": [r"^eager$", r"^compile default$"],
     "05_sdpa_attention": [r"^math", r"^sdpa"],
-    "06_mixed_precision": [r"^fp32$", r"^bf16$"],
+    "06_mixed_precision": [r"^fp32$", r"^(bf16|fp16)$"],  # fp16 alone on a GPU without bf16 hardware (a T4)
     "07_data_loading": [r"0 workers \(baseline\)$", r"^device-resident"],
     "08_multi_gpu": [r"^1 processes$", r"^\d+ processes$"],
     "09_putting_it_together": [r"^baseline", r"^\+ batch \d+$"],

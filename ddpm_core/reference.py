@@ -161,7 +161,8 @@ def device_words(m: dict, folder: Path | str = "?") -> str:
     """The reference's GPU as a reader should see it: "NVIDIA H100 80GB HBM3", or "..., capped at 16 GiB" for a
     smaller card rehearsed on it (DDPM_GPU_MEMORY_GB)."""
     cap = m.get("gpu_memory_cap_gib")
-    return str(m.get("device_name", Path(folder).name)) + (f", capped at {float(cap):g} GiB" if cap else "")
+    return (str(m.get("device_name", Path(folder).name)) + (f", capped at {float(cap):g} GiB" if cap else "")
+            + (", bf16 off" if m.get("gpu_bf16_off") else ""))
 
 
 def label(folder: Path) -> str:
@@ -462,13 +463,13 @@ def default_out(smoke: bool) -> Path:
 
     if not torch.cuda.is_available():
         return reference_dir() / ("cpu-smoke" if smoke else "cpu-full")
-    from .env import memory_cap_gib
+    from .env import NO_BF16_ENV, memory_cap_gib
 
-    # a smoke run on a GPU (the shakedown), or a smaller card rehearsed on this one (DDPM_GPU_MEMORY_GB), must never
-    # land in, or collide with, that GPU's full reference
+    # a smoke run on a GPU (the shakedown), or a smaller card rehearsed on this one (DDPM_GPU_MEMORY_GB, and
+    # DDPM_GPU_NO_BF16 for a T4's lack of bf16), must never land in, or collide with, that GPU's full reference
     cap = memory_cap_gib()
     return reference_dir() / (slug(torch.cuda.get_device_name(0)) + (f"-cap{cap:g}gib" if cap else "")
-                              + ("-smoke" if smoke else ""))
+                              + ("-nobf16" if os.environ.get(NO_BF16_ENV) == "1" else "") + ("-smoke" if smoke else ""))
 
 
 def _now() -> str:
@@ -489,7 +490,7 @@ def _git(*args: str) -> str:
 def _part_meta(out: Path, smoke: bool) -> None:
     import torch
 
-    from .env import device_name, memory_cap_gib
+    from .env import NO_BF16_ENV, device_name, memory_cap_gib
 
     cuda = torch.cuda.is_available()
     info: dict[str, Any] = {
@@ -511,6 +512,7 @@ def _part_meta(out: Path, smoke: bool) -> None:
         props = torch.cuda.get_device_properties(0)
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         info["gpu_memory_cap_gib"] = memory_cap_gib()  # DDPM_GPU_MEMORY_GB: a smaller card rehearsed on this one
+        info["gpu_bf16_off"] = os.environ.get(NO_BF16_ENV) == "1" or None  # DDPM_GPU_NO_BF16: a T4's lack of bf16 rehearsed
         info["compute_capability"] = f"{props.major}.{props.minor}"
         info["gpu_count"] = torch.cuda.device_count()
         smi = shutil.which("nvidia-smi")

@@ -7,13 +7,12 @@ a temporary file and a rename, so a writer killed mid-write leaves the previous 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import pandas as pd
 import torch

@@ -37,6 +37,7 @@ from torch import nn
 from .atomic import atomic_open
 from .data import DATASET_CHOICES, LOADER_MODES, SYNTHETIC_SIZE, describe_dataset, get_dataset, make_loader
 from .diffusion import GaussianDiffusion
+from .env import gpu_bf16
 from .model import ATTENTION_CHOICES, NORM_CHOICES, PRESETS, preset
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -105,7 +106,8 @@ class TrainConfig:
         """The fastest configuration the series teaches, as one named setting (notebook 09 ends at
         it; ``python -m ddpm_core.train --preset fast`` and ``python -m ddpm_core.bench_peers`` use it).
 
-        It changes only *how* the step runs: bf16 autocast, SDPA attention, channels_last, the fused
+        It changes only *how* the step runs: bf16 autocast (fp16 with the GradScaler on a GPU without bf16
+        hardware, such as a T4: ``env.mixed_precision``), SDPA attention, channels_last, the fused
         Adam, cuDNN autotuning, the dataset resident on the device (flipped and normalized there),
         and on a GPU ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) and a batch sized to the
         GPU's memory. The paper's training semantics stay as they are, and their cost is measured,
@@ -117,7 +119,7 @@ class TrainConfig:
         of compiling).
         ``overrides`` win over all of it.
         """
-        from .env import cpu_bf16, gpu_memory_gib
+        from .env import cpu_bf16, gpu_memory_gib, mixed_precision
 
         device = str(overrides.get("device", "auto"))
         gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
@@ -125,7 +127,8 @@ class TrainConfig:
                                         cudnn_benchmark=True, loader="device", num_workers=0)
         if gpu:
             gib = gpu_memory_gib(device if device != "auto" else "cuda")  # DDPM_GPU_MEMORY_GB caps it
-            settings.update(precision="bf16", compile="reduce-overhead", batch_size=512 if gib >= 40 else 256 if gib >= 15 else 128)
+            settings.update(precision=mixed_precision(device if device != "auto" else "cuda"), compile="reduce-overhead",
+                            batch_size=512 if gib >= 40 else 256 if gib >= 15 else 128)
         else:
             settings.update(precision="bf16" if cpu_bf16()[0] else "fp32", compile=None)
         settings.update(overrides)
@@ -259,7 +262,7 @@ def available_precisions(device: torch.device | str) -> list[str]:
     out = ["fp32"]
     if torch.cuda.get_device_capability(device)[0] >= 8:
         out.append("tf32")
-    if torch.cuda.is_bf16_supported():
+    if gpu_bf16(device)[0]:  # not torch.cuda.is_bf16_supported(): it says yes where bf16 is only emulated (a T4)
         out.append("bf16")
     return out + ["fp16"]
 
@@ -276,6 +279,8 @@ def check_precision(precision: str, device: torch.device) -> None:
             "tf32": "TF32 is a tensor-core format of NVIDIA GPUs (Ampere and newer); on a CPU it would be "
                     "plain fp32. Use precision='fp32' or 'bf16' on CPU.",
         }[precision]
+    elif precision == "bf16":
+        why = gpu_bf16(device)[1]
     else:
         why = (f"{torch.cuda.get_device_name(device)} does not support it "
                f"(compute capability {torch.cuda.get_device_capability(device)}); use fp32 or fp16.")

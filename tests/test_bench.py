@@ -478,6 +478,8 @@ def test_the_gpu_memory_cap_is_read_checked_and_used_for_sizing(monkeypatch):
     from ddpm_core.train import TrainConfig
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.delenv(env.MEMORY_CAP_ENV, raising=False)
     assert env.gpu_memory_gib("cuda") == 80 and TrainConfig.fast(device="cuda").batch_size == 512
     monkeypatch.setenv(env.MEMORY_CAP_ENV, "16")
@@ -487,6 +489,47 @@ def test_the_gpu_memory_cap_is_read_checked_and_used_for_sizing(monkeypatch):
         monkeypatch.setenv(env.MEMORY_CAP_ENV, bad)
         with pytest.raises(ValueError, match="DDPM_GPU_MEMORY_GB=.*e.g. DDPM_GPU_MEMORY_GB=16"):
             env.show("cpu")
+
+
+def fake_gpu(monkeypatch, name: str, capability: tuple[int, int], gib: float) -> None:
+    """Make this CPU-only process answer torch.cuda's questions as one GPU would (nothing runs on it)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=gib * 2**30))
+    monkeypatch.setattr(torch.version, "hip", None)
+
+
+def test_a_gpu_without_bf16_hardware_gets_fp16_and_a_clear_refusal_of_bf16(monkeypatch):
+    """torch.cuda.is_bf16_supported() says yes on a T4 (bf16 emulated: no tensor cores, cuDNN's bf16 convolutions
+    start at Ampere): the series asks the compute capability instead, refuses bf16 there with the fix, and its
+    16-bit precision (fast(), the notebooks' bf16 rows, the peers, the ceiling) is fp16 with the GradScaler."""
+    from ddpm_core import env
+    from ddpm_core.train import TrainConfig, available_precisions, check_precision
+
+    monkeypatch.delenv(env.MEMORY_CAP_ENV, raising=False)
+    fake_gpu(monkeypatch, "Tesla T4", (7, 5), 14.6)
+    ok, why = env.gpu_bf16("cuda")
+    assert not ok and "Tesla T4" in why and "7.5" in why and "precision='fp16'" in why
+    assert env.mixed_precision("cuda") == "fp16" and env.mixed_precision("cpu") == "bf16"
+    assert available_precisions("cuda") == ["fp32", "fp16"]  # no TF32 either before Ampere
+    with pytest.raises(ValueError, match=r"precision='bf16' cannot run on cuda: Tesla T4 .*no bf16 hardware.*'fp16'"):
+        check_precision("bf16", torch.device("cuda"))
+    fast = TrainConfig.fast(device="cuda")
+    assert (fast.precision, fast.grad_scaler, fast.batch_size) == ("fp16", True, 128)
+
+    fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0), 40.0)
+    assert env.gpu_bf16("cuda")[0] and env.mixed_precision("cuda") == "bf16"
+    assert available_precisions("cuda") == ["fp32", "tf32", "bf16", "fp16"]
+    check_precision("bf16", torch.device("cuda"))
+    assert (TrainConfig.fast(device="cuda").precision, TrainConfig.fast(device="cuda").batch_size) == ("bf16", 512)
+    # the rehearsal of a T4 on a bigger card: no bf16 whatever the card has
+    monkeypatch.setenv(env.NO_BF16_ENV, "1")
+    ok, why = env.gpu_bf16("cuda")
+    assert not ok and "DDPM_GPU_NO_BF16=1" in why
+    assert env.mixed_precision("cuda") == "fp16" and "bf16" not in available_precisions("cuda")
 
 
 def test_add_peak_teaches_a_gpu_for_the_session_and_refuses_rows_without_figures_or_source(monkeypatch):

@@ -48,3 +48,25 @@ def test_a_peer_that_fails_to_build_is_skipped_with_its_error_and_ours_are_still
     monkeypatch.setattr(bench_peers, "ours", broken)
     with pytest.raises(RuntimeError, match="Failed to import"):
         bench_peers.contenders(2, torch.device("cpu"), smoke=True)
+
+
+@pytest.mark.parametrize("make", [bench_peers.diffusers_step, bench_peers.lucidrains_step], ids=["diffusers", "lucidrains"])
+def test_a_peer_in_fp16_trains_through_a_grad_scaler_as_accelerate_does(make, monkeypatch):
+    """On a GPU without bf16 (a T4) the peers run fp16 autocast with a GradScaler: scale, unscale before clipping,
+    step and update. The same code runs here under the CPU's fp16 autocast: the scaler is on, its scale is used, and
+    the steps give finite losses."""
+    scalers = []
+    real = bench_peers._scaler
+
+    def keep(device, precision):
+        scalers.append(real(device, precision))
+        return scalers[-1]
+
+    monkeypatch.setattr(bench_peers, "_scaler", keep)
+    step = make(2, torch.device("cpu"), True, "fp16")
+    (scaler,) = scalers
+    assert scaler.is_enabled()
+    losses = [float(step()) for _ in range(3)]
+    assert all(loss == loss and abs(loss) < 1e3 for loss in losses), losses
+    assert scaler._scale is not None  # the loss went through scaler.scale(): the scale was made and used
+    assert not bench_peers._scaler(torch.device("cpu"), "bf16").is_enabled()

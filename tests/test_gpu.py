@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddpm_core import bench, data
+from ddpm_core import bench, data, env
 from ddpm_core.train import build, list_checkpoints, train
 from helpers import tiny_config
 
@@ -54,12 +54,14 @@ def _graph_pool_bytes() -> int:
 
 # ------------------------------------------------------------------------------ CUDA graphs
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, precision", [("reduce-overhead", "bf16"),
+@pytest.mark.parametrize("mode, precision", [("reduce-overhead", "half"),
                                              pytest.param("max-autotune", "tf32", marks=pytest.mark.autotune)])
 def test_train_under_cuda_graphs_keeps_every_steps_loss(tmp_path, mode, precision):
     """train() holds 20 losses before it reads them. They used to be views of the graph's one output
-    buffer, all overwritten by the last replay; max-autotune with TF32 used to raise in Inductor."""
+    buffer, all overwritten by the last replay; max-autotune with TF32 used to raise in Inductor. "half": the GPU's
+    16-bit autocast (bf16; fp16 with the GradScaler on a GPU without bf16)."""
     torch._dynamo.reset()
+    precision = env.mixed_precision("cuda") if precision == "half" else precision
     flags = _tf32_flags()
     cfg = tiny_config(tmp_path, device="cuda", compile=mode, precision=precision, steps=20, log_every=20,
                       checkpoint_every=20)
@@ -129,8 +131,12 @@ def test_tf32_is_on_exactly_during_the_steps_of_a_tf32_trainer(tmp_path, precisi
 
 
 # ------------------------------------------------------------------------------ SDPA
+HALF_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the GPU's 16-bit autocast: env.mixed_precision
+
+
 def _attention_trainer(tmp_path, model: str):
-    cfg = tiny_config(tmp_path, model=model, device="cuda", precision="bf16", attention="sdpa", batch_size=4)
+    cfg = tiny_config(tmp_path, model=model, device="cuda", precision=env.mixed_precision("cuda"), attention="sdpa",
+                      batch_size=4)
     return build(cfg)
 
 
@@ -141,7 +147,7 @@ def test_the_dispatcher_picks_a_fused_kernel_for_the_models_own_bf16_attention(t
 
     t = _attention_trainer(tmp_path, model)
     q, k, v = bench.attention_inputs(t, _batch(4))
-    assert q.dtype == torch.bfloat16 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert q.dtype == HALF_DTYPE[env.mixed_precision("cuda")] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert torch._fused_sdp_choice(q, k, v) != int(SDPBackend.MATH)
     table = bench.sdpa_backends(q, k, v)
     assert table.loc[table["default choice"], "backend"].tolist() != ["MATH"], table
@@ -172,7 +178,7 @@ def test_each_sdpa_backend_runs_the_models_own_bf16_attention(tmp_path, model, b
             why = " ".join(str(w.message) for w in caught) or str(e)
             pytest.skip(f"{backend} cannot run {model}'s bf16 attention {tuple(q.shape)} on "
                         f"{torch.cuda.get_device_name()}: {why[:400]}")
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == HALF_DTYPE[env.mixed_precision("cuda")]
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     assert math.isfinite(float(loss))
 
@@ -210,7 +216,8 @@ def test_the_cuda_graphs_stage_of_notebook_09_reports_memory_with_its_graph_pool
     probe = build(tiny_config(tmp_path, device="cuda", batch_size=2))
     flops_per_image = bench.count_flops(probe.train_step, _batch(2)) / 2
     del probe
-    cfg = tiny_config(tmp_path, device="cuda", batch_size=64, compile="reduce-overhead", precision="bf16",
+    half = env.mixed_precision("cuda")  # bf16; fp16 on a GPU without bf16 hardware
+    cfg = tiny_config(tmp_path, device="cuda", batch_size=64, compile="reduce-overhead", precision=half,
                       attention="sdpa", channels_last=True, fused_optimizer=True, loader="device")
     t = build(cfg)
     dataset = data.get_dataset("synthetic", synthetic_size=cfg.synthetic_size, verbose=False)
@@ -221,15 +228,15 @@ def test_the_cuda_graphs_stage_of_notebook_09_reports_memory_with_its_graph_pool
     pool = _graph_pool_bytes()
     assert pool > 0, "reduce-overhead ran no CUDA graph"
     assert "CUDA-graph" in m.memory_kind and m.peak_memory_bytes == m.reserved_bytes >= pool
-    assert m.tflops > 0 and m.precision == "bf16"
+    assert m.tflops > 0 and m.precision == half
     peak, _ = bench.peak_for_name(m.device_name, "bf16")
-    if peak is not None:
+    if peak is not None and half == "bf16":
         assert m.mfu_bf16 == pytest.approx(m.tflops / peak.tflops) and m.mfu == pytest.approx(m.mfu_bf16)
-    assert "MFU vs bf16 peak" in bench.summary_table([m]).columns
+        assert "MFU vs bf16 peak" in bench.summary_table([m]).columns
 
     # Timing t.train_step itself: measure reads the trainer's compile mode and precision.
     m2 = bench.measure(t.train_step, next(batches), batch_size=cfg.batch_size, warmup=2, iters=5)
-    assert "CUDA-graph" in m2.memory_kind and m2.precision == "bf16"
+    assert "CUDA-graph" in m2.memory_kind and m2.precision == half
 
 
 # ------------------------------------------------------------------------------ resume, processes
@@ -328,9 +335,9 @@ def test_the_ceiling_on_the_gpu_times_the_models_convs_in_bf16_and_names_the_dat
     from ddpm_core import ceiling
 
     c = ceiling.measure("tiny", batch_size=8, device="cuda", iters=3, warmup=1, matmul_n=1024, progress=False)
-    assert c.precision == "bf16" and 0 < c.conv_flops < c.step_flops
+    assert c.precision == env.mixed_precision("cuda") and 0 < c.conv_flops < c.step_flops
     assert math.isfinite(c.tflops) and c.tflops > 0 and c.matmul_tflops > 0
-    if bench.peak_for("cuda", "bf16")[0] is not None:
+    if bench.peak_for("cuda", c.precision)[0] is not None:
         assert c.datasheet is not None and c.mfu(c.tflops)["vs_datasheet"] < 1
 
 
@@ -349,7 +356,7 @@ def test_bench_peers_and_the_quality_check_run_on_the_gpu_with_the_compiled_fast
                     data_root=data_root, synthetic_size=256, heldout_batches=1, n_samples=4, sample_steps=5, device="cuda",
                     out_dir=tmp_path / "q", progress=False)
     fast = [a for a in r.arms.values() if a["kind"] == "fast"][0]
-    assert fast["precision"] == "bf16" and all(len(c) == 12 for c in r.curves.values())
+    assert fast["precision"] == env.mixed_precision("cuda") and all(len(c) == 12 for c in r.curves.values())
     assert all(math.isfinite(v) for v in r.heldout["loss"]) and r.verdict()
 
 

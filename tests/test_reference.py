@@ -346,6 +346,12 @@ def test_a_smoke_run_on_a_gpu_gets_its_own_folder_beside_the_gpus_reference(monk
     (tmp_path / "capped" / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch_version": "2.11",
                                                               "gpu_memory_cap_gib": 16.0}))
     assert reference.label(tmp_path / "capped").startswith("reference: NVIDIA H100 80GB HBM3, capped at 16 GiB · torch 2.11")
+    # and with a T4's lack of bf16 rehearsed too (DDPM_GPU_NO_BF16): another folder, another label
+    monkeypatch.setenv("DDPM_GPU_NO_BF16", "1")
+    assert reference.default_out(smoke=False) == tmp_path / "h100-80gb-hbm3-cap16gib-nobf16"
+    (tmp_path / "capped" / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch_version": "2.11",
+                                                              "gpu_memory_cap_gib": 16.0, "gpu_bf16_off": True}))
+    assert reference.label(tmp_path / "capped").startswith("reference: NVIDIA H100 80GB HBM3, capped at 16 GiB, bf16 off · ")
 
 
 def test_gpu_call_without_parts_says_how_to_name_them_before_doing_anything(tmp_path):

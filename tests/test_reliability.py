@@ -321,7 +321,7 @@ def test_a_path_object_is_a_valid_out_dir(tmp_path):
 
 
 def test_a_changed_lr_or_warmup_on_resume_is_used_from_then_on(tmp_path, capsys):
-    from ddpm_core.train import build, load_checkpoint_file, list_checkpoints
+    from ddpm_core.train import build
 
     _run(tmp_path, steps=2, checkpoint_every=2, lr=1e-5, warmup_steps=100)
     cfg = tiny_config(tmp_path, batch_size=4, synthetic_size=64, steps=3, checkpoint_every=1, lr=1e-3, warmup_steps=0)
