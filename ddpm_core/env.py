@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 
 import torch
 
@@ -61,6 +62,35 @@ def cpu_bf16() -> tuple[bool, str]:
     return False, (f"This CPU ({capability}) has no bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions fall back "
                    "to slow generic kernels (aten::_slow_conv2d_forward), so expect a bf16 step to be much slower "
                    "than fp32 here. On a GPU (Ampere or newer) bf16 runs on tensor cores.")
+
+
+def check_gpu_build(device: torch.device | str | None = None) -> None:
+    """Raise a RuntimeError that names the fix when this PyTorch build has no kernels for the GPU.
+
+    A wheel carries compiled kernels for a list of architectures (``torch.cuda.get_arch_list()``): a kernel built for
+    sm_XY runs on a GPU of the same major version and a minor at least Y, PTX (compute_XY) on any GPU of XY or newer.
+    CUDA 13 builds (the registry's default, and constraints.txt's) start at sm_75, Turing: on a V100 or a P100 (16 GB
+    cards still common on clusters and hosted notebooks) torch only warns, and the first CUDA operation then fails
+    with "no kernel image is available for execution on the device".
+    """
+    if not torch.version.cuda:  # a CPU or ROCm build: nothing to check here
+        return
+    arch = torch.cuda.get_arch_list()
+    if not arch:
+        return
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    major, minor = torch.cuda.get_device_capability(device)
+    cc = 10 * major + minor
+    built = [(m[1], int(m[2])) for m in (re.match(r"(sm|compute)_(\d+)", a) for a in arch) if m]  # "sm_90a": 90
+    if any((kind == "sm" and v // 10 == major and v % 10 <= minor) or (kind == "compute" and v <= cc) for kind, v in built):
+        return
+    raise RuntimeError(
+        f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}, sm_{cc}) cannot run this PyTorch "
+        f"build (torch {torch.__version__}, CUDA {torch.version.cuda}): it holds kernels for {' '.join(arch)} only, so "
+        "every CUDA operation would fail with 'no kernel image is available'. Fix: install a PyTorch build whose CUDA "
+        f"still supports sm_{cc} (CUDA 13 builds start at sm_75; CUDA 12.x builds reach further back): pick one at "
+        "https://pytorch.org/get-started/locally/ (e.g. pip install torch torchvision --index-url "
+        "https://download.pytorch.org/whl/cu126), or run on the CPU (device='cpu', DDPM_SMOKE=1 for the short runs).")
 
 
 NO_BF16_ENV = "DDPM_GPU_NO_BF16"
@@ -186,6 +216,8 @@ def show(device: torch.device | str | None = None) -> tuple[torch.device, str]:
     from IPython.display import display
 
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        check_gpu_build(device)  # a GPU this torch has no kernels for (a V100 under a CUDA 13 build): the fix, before any work
     apply_memory_cap(device)  # a bad DDPM_GPU_MEMORY_GB is an error here, before any work
     if not torch.cuda.is_available():
         # A CUDA build of torch on a machine with a CUDA toolkit but no GPU warns "No CUDA runtime is found, using

@@ -239,6 +239,9 @@ def resolve_device(name: str = "auto") -> torch.device:
         elif torch.device(name).index is not None and torch.device(name).index >= torch.cuda.device_count():
             raise ValueError(f"device={name!r} but only {torch.cuda.device_count()} GPU(s) are visible. "
                              f"Fix: use cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
+        from .env import check_gpu_build
+
+        check_gpu_build(name)  # a GPU this torch build has no kernels for: the fix now, not "no kernel image" later
     return torch.device(name)
 
 

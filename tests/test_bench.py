@@ -532,6 +532,37 @@ def test_a_gpu_without_bf16_hardware_gets_fp16_and_a_clear_refusal_of_bf16(monke
     assert env.mixed_precision("cuda") == "fp16" and "bf16" not in available_precisions("cuda")
 
 
+def test_a_gpu_this_torch_build_has_no_kernels_for_is_stopped_with_the_fix(monkeypatch):
+    """CUDA 13 builds hold kernels from sm_75 on: a V100 (sm_70) only gets torch's warning, then 'no kernel image'
+    at the first CUDA operation. The environment cell (and build's device check) stops first, naming the fix."""
+    from ddpm_core import env
+
+    arch = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14.1+cu130's list
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch)
+    for name, cc, ok in [("Tesla V100-SXM2-16GB", (7, 0), False), ("Tesla P100-PCIE-16GB", (6, 0), False),
+                         ("Tesla T4", (7, 5), True), ("NVIDIA H100 80GB HBM3", (9, 0), True),
+                         ("NVIDIA GeForce RTX 4090", (8, 9), True), ("NVIDIA B200", (10, 0), True)]:
+        fake_gpu(monkeypatch, name, cc, 16.0)
+        if ok:
+            env.check_gpu_build("cuda")
+            continue
+        with pytest.raises(RuntimeError, match=rf"{name} \(compute capability {cc[0]}\.{cc[1]}, sm_{cc[0]}{cc[1]}\) "
+                                               r"cannot run this PyTorch build.*sm_75.*Fix: install a PyTorch build"):
+            env.check_gpu_build("cuda")
+        with pytest.raises(RuntimeError, match="no kernel image"):
+            env.show("cuda")  # every notebook's first cell: before any work
+    # PTX for an older architecture runs on a newer GPU (JIT-compiled); none at all for an older one
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "compute_80"])
+    fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0), 80.0)
+    env.check_gpu_build("cuda")
+    fake_gpu(monkeypatch, "Tesla T4", (7, 5), 16.0)
+    with pytest.raises(RuntimeError, match="sm_75"):
+        env.check_gpu_build("cuda")
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build: nothing to check
+    env.check_gpu_build("cuda")
+
+
 def test_add_peak_teaches_a_gpu_for_the_session_and_refuses_rows_without_figures_or_source(monkeypatch):
     """00's Exercise 3 without editing the package: a missing GPU gets MFU from its datasheet row."""
     monkeypatch.setattr(bench, "PEAK_TFLOPS", dict(bench.PEAK_TFLOPS))
