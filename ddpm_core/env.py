@@ -93,6 +93,24 @@ def check_gpu_build(device: torch.device | str | None = None) -> None:
         "https://download.pytorch.org/whl/cu126), or run on the CPU (device='cpu', DDPM_SMOKE=1 for the short runs).")
 
 
+def gpu_compiles(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether ``torch.compile`` can build GPU kernels for this GPU, and a sentence saying why not.
+
+    Inductor writes its GPU kernels in Triton, and Triton needs compute capability 7.0 (Volta) or newer: on a P100
+    (6.0, a free tier of hosted notebooks under a CUDA 12 build of PyTorch) the first compiled call fails.
+    """
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    if torch.version.hip:
+        return True, f"{name} (ROCm): Inductor compiles for it."
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 7:
+        return True, f"{name} (compute capability {major}.{minor}): Inductor's Triton kernels run on it."
+    return False, (f"{name} (compute capability {major}.{minor}) cannot run torch.compile's GPU kernels: Inductor "
+                   "writes them in Triton, which needs compute capability 7.0 or newer. Fix: compile=None on this GPU "
+                   "(eager), or compile on the CPU (device='cpu'), or use a newer GPU.")
+
+
 NO_BF16_ENV = "DDPM_GPU_NO_BF16"
 
 

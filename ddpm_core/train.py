@@ -37,7 +37,7 @@ from torch import nn
 from .atomic import atomic_open
 from .data import DATASET_CHOICES, LOADER_MODES, SYNTHETIC_SIZE, describe_dataset, get_dataset, make_loader
 from .diffusion import GaussianDiffusion
-from .env import gpu_bf16
+from .env import gpu_bf16, gpu_compiles
 from .model import ATTENTION_CHOICES, NORM_CHOICES, PRESETS, preset
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -109,7 +109,8 @@ class TrainConfig:
         It changes only *how* the step runs: bf16 autocast (fp16 with the GradScaler on a GPU without bf16
         hardware, such as a T4: ``env.mixed_precision``), SDPA attention, channels_last, the fused
         Adam, cuDNN autotuning, the dataset resident on the device (flipped and normalized there),
-        and on a GPU ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) and a batch sized to the
+        and on a GPU ``torch.compile(mode="reduce-overhead")`` (CUDA graphs; not on a GPU Triton cannot compile
+        for, such as a P100: ``env.gpu_compiles``) and a batch sized to the
         GPU's memory. The paper's training semantics stay as they are, and their cost is measured,
         not dropped: Adam with lr 2e-4 and warm-up, gradient clipping at 1, EMA 0.9999, dropout 0.1,
         t uniform (``tests/test_train.py`` checks that these fields equal the baseline's).
@@ -127,7 +128,9 @@ class TrainConfig:
                                         cudnn_benchmark=True, loader="device", num_workers=0)
         if gpu:
             gib = gpu_memory_gib(device if device != "auto" else "cuda")  # DDPM_GPU_MEMORY_GB caps it
-            settings.update(precision=mixed_precision(device if device != "auto" else "cuda"), compile="reduce-overhead",
+            dev = device if device != "auto" else "cuda"
+            settings.update(precision=mixed_precision(dev),
+                            compile="reduce-overhead" if gpu_compiles(dev)[0] else None,  # no Triton before 7.0 (a P100)
                             batch_size=512 if gib >= 40 else 256 if gib >= 15 else 128)
         else:
             settings.update(precision="bf16" if cpu_bf16()[0] else "fp32", compile=None)
@@ -381,6 +384,8 @@ class Trainer:
                              "torch.distributed.init_process_group(...) first (a group of one process will do).")
         self.device = resolve_device(cfg.device)
         check_precision(cfg.precision, self.device)
+        if cfg.compile and self.device.type == "cuda" and not gpu_compiles(self.device)[0]:
+            raise ValueError(f"compile={cfg.compile!r} cannot run on {self.device}: {gpu_compiles(self.device)[1]}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 

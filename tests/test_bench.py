@@ -563,6 +563,27 @@ def test_a_gpu_this_torch_build_has_no_kernels_for_is_stopped_with_the_fix(monke
     env.check_gpu_build("cuda")
 
 
+def test_a_gpu_triton_cannot_compile_for_gets_an_eager_fast_preset_and_a_clear_refusal(monkeypatch):
+    """Inductor's GPU kernels are Triton's, which needs compute capability 7.0: on a P100 (6.0) fast() stays eager
+    (and fp16: no bf16 either), and a trainer asked to compile there stops before any work with the fix."""
+    from ddpm_core import env
+    from ddpm_core.train import Trainer, TrainConfig
+
+    monkeypatch.delenv(env.MEMORY_CAP_ENV, raising=False)
+    fake_gpu(monkeypatch, "Tesla P100-PCIE-16GB", (6, 0), 15.9)
+    ok, why = env.gpu_compiles("cuda")
+    assert not ok and "Tesla P100-PCIE-16GB" in why and "Triton" in why and "7.0" in why and "compile=None" in why
+    fast = TrainConfig.fast(device="cuda")
+    assert (fast.compile, fast.precision) == (None, "fp16")
+    monkeypatch.setattr(torch.version, "cuda", None)  # past the build's architecture check, which a P100 also fails
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"compile='default' cannot run on cuda:0: Tesla P100.*Triton.*Fix: compile=None"):
+        Trainer(TrainConfig(model="tiny", device="cuda", precision="fp16", compile="default"))
+    for name, cc in [("Tesla V100-SXM2-16GB", (7, 0)), ("Tesla T4", (7, 5)), ("NVIDIA H100 80GB HBM3", (9, 0))]:
+        fake_gpu(monkeypatch, name, cc, 16.0)
+        assert env.gpu_compiles("cuda")[0] and TrainConfig.fast(device="cuda").compile == "reduce-overhead"
+
+
 def test_add_peak_teaches_a_gpu_for_the_session_and_refuses_rows_without_figures_or_source(monkeypatch):
     """00's Exercise 3 without editing the package: a missing GPU gets MFU from its datasheet row."""
     monkeypatch.setattr(bench, "PEAK_TFLOPS", dict(bench.PEAK_TFLOPS))
