@@ -93,22 +93,26 @@ def check_gpu_build(device: torch.device | str | None = None) -> None:
         "https://download.pytorch.org/whl/cu126), or run on the CPU (device='cpu', DDPM_SMOKE=1 for the short runs).")
 
 
+def _capability_at_least(device: torch.device | str | None, major_needed: int, has: str, lacks: str) -> tuple[bool, str]:
+    """Whether the GPU's compute capability is at least ``major_needed``.0, with "<name> (compute capability X.Y)
+    <has or lacks>". A ROCm GPU answers yes: PyTorch treats AMD's GPUs as capable of both things asked here."""
+    name = torch.cuda.get_device_name(device)
+    if torch.version.hip:
+        return True, f"{name} (ROCm): yes."
+    major, minor = torch.cuda.get_device_capability(device)
+    return major >= major_needed, f"{name} (compute capability {major}.{minor}) {has if major >= major_needed else lacks}"
+
+
 def gpu_compiles(device: torch.device | str | None = None) -> tuple[bool, str]:
     """Whether ``torch.compile`` can build GPU kernels for this GPU, and a sentence saying why not.
 
     Inductor writes its GPU kernels in Triton, and Triton needs compute capability 7.0 (Volta) or newer: on a P100
     (6.0, a free tier of hosted notebooks under a CUDA 12 build of PyTorch) the first compiled call fails.
     """
-    device = torch.device(device) if device is not None else torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    if torch.version.hip:
-        return True, f"{name} (ROCm): Inductor compiles for it."
-    major, minor = torch.cuda.get_device_capability(device)
-    if major >= 7:
-        return True, f"{name} (compute capability {major}.{minor}): Inductor's Triton kernels run on it."
-    return False, (f"{name} (compute capability {major}.{minor}) cannot run torch.compile's GPU kernels: Inductor "
-                   "writes them in Triton, which needs compute capability 7.0 or newer. Fix: compile=None on this GPU "
-                   "(eager), or compile on the CPU (device='cpu'), or use a newer GPU.")
+    return _capability_at_least(
+        device, 7, "Inductor's Triton kernels run on it",
+        "cannot run torch.compile's GPU kernels: Inductor writes them in Triton, which needs compute capability 7.0 or "
+        "newer. Fix: compile=None on this GPU (eager), or compile on the CPU (device='cpu'), or use a newer GPU.")
 
 
 NO_BF16_ENV = "DDPM_GPU_NO_BF16"
@@ -129,14 +133,11 @@ def gpu_bf16(device: torch.device | str | None = None) -> tuple[bool, str]:
     if os.environ.get(NO_BF16_ENV) == "1":
         return False, (f"{name}: bf16 is switched off by {NO_BF16_ENV}=1 (rehearsing a GPU without bf16 hardware, such "
                        "as a T4). Use precision='fp16' (autocast with the GradScaler), or 'fp32'; unset it for bf16.")
-    if torch.version.hip:
-        return True, f"{name} (ROCm) runs bf16."
-    major, minor = torch.cuda.get_device_capability(device)
-    if major >= 8:
-        return True, f"{name} (compute capability {major}.{minor}) has bf16 tensor cores."
-    return False, (f"{name} (compute capability {major}.{minor}) has no bf16 hardware: bf16 came with Ampere (8.0). "
-                   "PyTorch would emulate it, with the convolutions on slow fallback kernels and no tensor cores. "
-                   "Its tensor cores run fp16: use precision='fp16' (autocast with the GradScaler), or 'fp32'.")
+    return _capability_at_least(
+        device, 8, "has bf16 tensor cores",
+        "has no bf16 hardware: bf16 came with Ampere (8.0). PyTorch would emulate it, with the convolutions on slow "
+        "fallback kernels and no tensor cores. Its tensor cores run fp16: use precision='fp16' (autocast with the "
+        "GradScaler), or 'fp32'.")
 
 
 def mixed_precision(device: torch.device | str) -> str:

@@ -37,7 +37,7 @@ from torch import nn
 from .atomic import atomic_open
 from .data import DATASET_CHOICES, LOADER_MODES, SYNTHETIC_SIZE, describe_dataset, get_dataset, make_loader
 from .diffusion import GaussianDiffusion
-from .env import gpu_bf16, gpu_compiles
+from .env import check_gpu_build, gpu_bf16, gpu_compiles
 from .model import ATTENTION_CHOICES, NORM_CHOICES, PRESETS, preset
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -242,8 +242,6 @@ def resolve_device(name: str = "auto") -> torch.device:
         elif torch.device(name).index is not None and torch.device(name).index >= torch.cuda.device_count():
             raise ValueError(f"device={name!r} but only {torch.cuda.device_count()} GPU(s) are visible. "
                              f"Fix: use cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
-        from .env import check_gpu_build
-
         check_gpu_build(name)  # a GPU this torch build has no kernels for: the fix now, not "no kernel image" later
     return torch.device(name)
 
@@ -384,8 +382,10 @@ class Trainer:
                              "torch.distributed.init_process_group(...) first (a group of one process will do).")
         self.device = resolve_device(cfg.device)
         check_precision(cfg.precision, self.device)
-        if cfg.compile and self.device.type == "cuda" and not gpu_compiles(self.device)[0]:
-            raise ValueError(f"compile={cfg.compile!r} cannot run on {self.device}: {gpu_compiles(self.device)[1]}")
+        if cfg.compile and self.device.type == "cuda":
+            compiles, why = gpu_compiles(self.device)
+            if not compiles:
+                raise ValueError(f"compile={cfg.compile!r} cannot run on {self.device}: {why}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
