@@ -996,6 +996,13 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         print(f"[{part}] done in {seconds:.0f} s (budget {PART_BUDGET_S} s per part){over}", flush=True)
 
     todo = [p for p in parts or PARTS if force or status.get(p, {}).get("status") != "done"]
+    if "meta" not in todo and not (out / "meta.json").exists():
+        # A folder no run has described yet (a GPU that has no reference so far: the next session's may be an H200
+        # where the committed one is an H100) is invisible without meta.json: reference_runs() lists, and every
+        # notebook's block and the README's table show, only folders that hold one. A plan written for a folder
+        # that has it ("gpu-tests nb-02 ...", no "meta") must not make a run nobody can read.
+        print("[meta] not in the parts named, but this folder has no meta.json: doing it first", flush=True)
+        todo.insert(0, "meta")
     for part in parts or PARTS:
         if part not in todo:
             print(f"[{part}] already done ({status[part]['seconds']:.0f} s): skipped", flush=True)

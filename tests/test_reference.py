@@ -388,6 +388,20 @@ def test_gpu_call_runs_its_parts_and_leaves_the_archive_and_the_log_in_OUT(tmp_p
     assert done["finished"][:2] == "20" and "git_commit" in done
 
 
+def test_a_run_into_a_folder_without_meta_describes_it_first(tmp_path, capsys):
+    """The next GPU session's machine may be another GPU than the committed reference's (an H200 where the folder is
+    an H100's): its run starts a new folder, and a plan written for the old one names no "meta". Without meta.json
+    the folder is invisible (reference_runs, every notebook's block, the README's table), so the run does meta first."""
+    out = tmp_path / "h200"
+    reference.run(out, smoke=True, parts=["gpu-tests"])
+    assert (out / "meta.json").exists() and reference.reference_runs(tmp_path) == [out]
+    status = json.loads((out / "parts.json").read_text())
+    assert status["meta"]["status"] == status["gpu-tests"]["status"] == "done"
+    assert "no meta.json: doing it first" in capsys.readouterr().out
+    reference.run(out, smoke=True, parts=["gpu-tests"], force=True)  # described already: meta is not redone
+    assert "doing it first" not in capsys.readouterr().out
+
+
 def test_meta_names_the_commit_from_the_environment_where_the_copy_has_no_git(tmp_path, monkeypatch):
     monkeypatch.setattr(reference, "_git", lambda *a: "")
     monkeypatch.setenv("DDPM_GIT_COMMIT", "0123456789abcdef")
