@@ -95,6 +95,15 @@ GPU_TEST_PARTS = {"gpu-tests": ("gpu and not slow", "tests.log"),
                   "gpu-tests-slow": ("gpu and slow and not autotune", "tests-slow.log"),
                   "gpu-tests-autotune": ("gpu and autotune", "tests-autotune.log")}
 PARTS = ["meta", *GPU_TEST_PARTS, *NOTEBOOK_PARTS, "pack"]
+# The order in which ``--parts next`` takes the parts a folder has not done yet. GPU time comes rarely and briefly
+# (one task in about forty has drawn a GPU, for 15 minutes), so a session should spend it where the issues need it
+# most: the fast GPU tests ("GPU paths that work"), 09 (every stage on the GPU: the README's GPU table) and 09b (the
+# fastest step against the peers and the ceiling), then the notebooks that teach one technique each. 00-01 comes
+# late: the H100's run committed its figures (a 4-minute training of the paper's model), and another GPU of the same
+# compute adds little. nb-08 is last but the autotune test: on one GPU its DDP runs are CPU processes (_skip_reason).
+PRIORITY = ["meta", "gpu-tests", "nb-09", "nb-09b", "nb-02", "nb-03", "nb-04", "nb-05-06", "nb-03b", "nb-07",
+            "nb-10", "gpu-tests-slow", "nb-00-01", "nb-08", "gpu-tests-autotune"]
+NEXT = "next"  # a --parts word: every part of PRIORITY the folder has not done, in that order
 SELF_ENV = "DDPM_REFERENCE_SELF"  # set while the reference run executes the notebooks
 IS_REFERENCE = "This executed copy is the reference run itself"  # how self_line() begins, whatever the machine
 
@@ -258,8 +267,13 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
                if (secs := notebook_seconds(folder, notebook)) is not None else "")))
         if secs is None and (folder / "parts.json").exists():
             # a reference made across several commands or sessions: this notebook's part is not done yet
-            done = [p for p, v in json.loads((folder / "parts.json").read_text()).items()
-                    if isinstance(v, dict) and v.get("status") == "done"]
+            parts = json.loads((folder / "parts.json").read_text())
+            done = [p for p, v in parts.items() if isinstance(v, dict) and v.get("status") == "done"]
+            own = next((v for p, v in parts.items() if prefix in NOTEBOOK_PARTS.get(p, [])), None)
+            if isinstance(own, dict) and own.get("status") == "skipped":
+                display(Markdown(f"That run left this notebook out: {own.get('reason', '?')}. Nothing below comes "
+                                 "from it for this notebook."))
+                continue
             display(Markdown(f"That run has not reached this notebook yet (parts done: {', '.join(done) or 'none'}). "
                              "Nothing below comes from it for this notebook."))
             continue
@@ -394,6 +408,9 @@ def status_markdown(root: Path | None = None) -> str:
             nbs = ", ".join(f"{n.split('_')[0]} {t:.0f} s" for n, t in v.get("notebooks", {}).items())
             when = (f"{v['finished'][:10]} (`{str(v.get('git_commit') or '?')[:7]}`)" if v.get("finished") else "")
             lines.append(f"| {part} | {v.get('status', '?')} | {secs} | {nbs} | {when} |")
+        for part in PARTS:
+            if isinstance(v := status.get(part), dict) and v.get("status") == "skipped":
+                lines += ["", f"{part} skipped: {v.get('reason', '?')}."]
         for name, line in headlines(folder).items():
             lines += ["", f"{name.split('_')[0]} printed: *{line}*"]
         if stages := stages_markdown(folder):
@@ -924,9 +941,10 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     import torch
 
     smoke = (not torch.cuda.is_available()) if smoke is None else smoke
-    unknown = [p for p in (parts or []) if p not in PARTS]
+    unknown = [p for p in (parts or []) if p not in PARTS and p != NEXT]
     if unknown:
-        raise ValueError(f"unknown part(s) {unknown}; the parts are {PARTS}")
+        raise ValueError(f"unknown part(s) {unknown}; the parts are {PARTS}, or {NEXT!r} (those not done yet, in the "
+                         "order a short GPU session should take them)")
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a whole number of at least 1, got {jobs!r}")
     if jobs > 1 and not smoke:
@@ -995,6 +1013,10 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         over = " OVER BUDGET" if seconds > PART_BUDGET_S else ""
         print(f"[{part}] done in {seconds:.0f} s (budget {PART_BUDGET_S} s per part){over}", flush=True)
 
+    if parts and NEXT in parts:  # the parts not done yet, most needed first (PRIORITY); any named beside it go first
+        named = [p for p in parts if p != NEXT]
+        parts = named + [p for p in PRIORITY if p not in named and status.get(p, {}).get("status") != "done"]
+        print(f"{NEXT}: {' '.join(parts) or 'nothing: every part is done'}", flush=True)
     todo = [p for p in parts or PARTS if force or status.get(p, {}).get("status") != "done"]
     if "meta" not in todo and not (out / "meta.json").exists():
         # A folder no run has described yet (a GPU that has no reference so far: the next session's may be an H200
@@ -1013,6 +1035,11 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     for part in todo:
         if part == "notebook parts":
             _run_side_by_side(out, smoke, side_by_side, notebooks, keep_going, jobs, begin, finished, interrupted)
+            continue
+        if (why := _skip_reason(part, smoke)) is not None:  # recorded, never "done": a later run asks again
+            status[part] = {"status": "skipped", "reason": why, "finished": _now()}
+            status_path.write_text(json.dumps(status, indent=1))
+            print(f"[{part}] skipped: {why}", flush=True)
             continue
         begin(part)
         start = time.perf_counter()
@@ -1033,6 +1060,23 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     if failed:
         raise RuntimeError(f"reference parts failed: {', '.join(failed)} (errors in {status_path})")
     return out
+
+
+def _skip_reason(part: str, smoke: bool) -> str | None:
+    """Why a full run on this machine leaves ``part`` out, or None.
+
+    Notebook 08 on fewer than two GPUs runs its DDP launches as gloo processes on the CPU with the tiny model (its
+    section 1 says so): the mechanics every reader's own run shows, with no GPU number in it, for minutes of a GPU
+    session. A machine with two or more GPUs runs it (NCCL), and ``DDPM_REFERENCE_ALL=1`` runs it anyway."""
+    if smoke or part != "nb-08" or os.environ.get("DDPM_REFERENCE_ALL") == "1":
+        return None
+    import torch
+
+    n = torch.cuda.device_count()
+    if n >= 2:
+        return None
+    return (f"{n} GPU on this machine: notebook 08's DDP runs would be gloo processes on its CPU with the tiny model, "
+            "which show no GPU number; it needs two or more GPUs (NCCL) to show one (DDPM_REFERENCE_ALL=1 runs it)")
 
 
 def _chosen(prefixes: list[str], only: Sequence[str] | None) -> list[Path]:
@@ -1079,7 +1123,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--smoke", action="store_true", default=None, help="smoke mode (default without a GPU)")
     mode.add_argument("--full", action="store_true", help="full mode (default with a GPU)")
     r.add_argument("--out", default=None, help="the reference folder (default: data/reference/<gpu>)")
-    r.add_argument("--parts", nargs="+", default=None, choices=PARTS, help=f"parts to run (default: all: {PARTS})")
+    r.add_argument("--parts", nargs="+", default=None, choices=[*PARTS, NEXT],
+                   help=f"parts to run (default: all: {PARTS}); '{NEXT}': those the folder has not done, in the order a "
+                        f"short GPU session should take them ({' '.join(PRIORITY)})")
     r.add_argument("--notebooks", nargs="+", default=None, help="only these notebooks: numbers (03 03b) or name prefixes (03_batch)")
     r.add_argument("--force", action="store_true", help="redo parts already done")
     r.add_argument("--jobs", type=int, default=1,

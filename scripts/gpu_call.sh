@@ -3,6 +3,7 @@
 # device tool, with .whl/ (scripts/gpu_wheels.sh) carried beside the repo:
 #
 #   bash scripts/gpu_call.sh meta gpu-tests nb-00-01     # full mode: these parts, resumable, past a failed one
+#   bash scripts/gpu_call.sh next                        # the parts not done yet, most needed first (reference.PRIORITY)
 #   bash scripts/gpu_call.sh --shakedown                 # every notebook in smoke mode on the GPU, past failures
 #
 # It installs the wheels into /tmp/site, runs the parts under a deadline (DEADLINE_S, default 560 s: a device

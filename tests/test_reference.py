@@ -19,6 +19,7 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 import pytest
+import torch
 
 from ddpm_core import reference, series, traces
 
@@ -273,6 +274,58 @@ def test_keep_going_runs_past_a_failed_part_and_every_part_is_packed_as_it_ends(
         names = set(tar.getnames())
     assert {"ref/parts.json", "ref/notebooks/04.ipynb", f"ref/{reference.DELTA}"} <= names
     assert "ref/notebooks/02.ipynb" not in names  # there before that command began
+
+
+def test_next_takes_the_parts_not_done_most_needed_first_and_one_gpu_leaves_08_out(tmp_path, monkeypatch, capsys):
+    """`--parts next`, the word a short GPU session's plan uses: every part the folder has not done, in PRIORITY's
+    order (09 and 09b before the one-technique notebooks); on one GPU in full mode, nb-08 is recorded as skipped with
+    its reason (its DDP runs would be CPU processes there), never as done, and the notebook's block and the README's
+    table say why."""
+    assert sorted(reference.PRIORITY) == sorted(p for p in reference.PARTS if p != "pack")
+    assert reference.PRIORITY[:4] == ["meta", "gpu-tests", "nb-09", "nb-09b"]
+    calls = []
+
+    def fake(out, smoke, prefixes, only, keep_going=False):
+        calls.append(prefixes[0])
+        return {"notebooks": {prefixes[0]: 1.0}}
+
+    monkeypatch.setattr(reference, "_part_notebooks", fake)
+    monkeypatch.setattr(reference, "_part_gpu_tests", lambda out, smoke, part="gpu-tests": calls.append(part) or {})
+    monkeypatch.setattr(reference, "_part_meta", lambda out, smoke: (out / "meta.json").write_text(json.dumps(
+        {"device_name": "NVIDIA H200", "mode": "full", "torch_version": "2.11.0+cu130"})) and None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    out = tmp_path / "h200"
+    out.mkdir()
+    (out / "parts.json").write_text(json.dumps({"_mode": "full", "nb-09": {"status": "done", "seconds": 1.0}}))
+    reference.run(out, smoke=False, parts=["next"])
+    assert calls == ["gpu-tests", "09b", "02", "03", "04", "05", "03b", "07", "10", "gpu-tests-slow", "00",
+                     "gpu-tests-autotune"]
+    status = json.loads((out / "parts.json").read_text())
+    assert status["nb-08"]["status"] == "skipped" and "gloo processes" in status["nb-08"]["reason"]
+    assert "[nb-08] skipped: 1 GPU on this machine" in capsys.readouterr().out
+    calls.clear()
+    reference.run(out, smoke=False, parts=["next"])  # everything done but the skipped part, which is asked again
+    assert calls == [] and json.loads((out / "parts.json").read_text())["nb-08"]["status"] == "skipped"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # two GPUs: NCCL, so it runs
+    reference.run(out, smoke=False, parts=["nb-08"])
+    assert calls == ["08"]
+    assert "skipped" not in reference.status_markdown(tmp_path)
+    with pytest.raises(ValueError, match="'next'"):
+        reference.run(out, smoke=False, parts=["nxt"])
+
+
+def test_a_skipped_part_is_said_in_the_notebook_block_and_the_readme_table(tmp_path, monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(getattr(obj, "data", obj)))
+    monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path))
+    folder = tmp_path / "h200"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H200", "mode": "full"}))
+    (folder / "parts.json").write_text(json.dumps({"_mode": "full", "meta": {"status": "done", "seconds": 1},
+                                                   "nb-08": {"status": "skipped", "reason": "1 GPU on this machine"}}))
+    assert reference.show("08_multi_gpu", figures=[]) is True
+    assert "That run left this notebook out: 1 GPU on this machine." in " ".join(map(str, shown))
+    assert "nb-08 skipped: 1 GPU on this machine." in reference.status_markdown(tmp_path)
 
 
 def test_side_by_side_parts_run_in_processes_of_their_own_and_leave_the_folder_whole(tmp_path, monkeypatch):
