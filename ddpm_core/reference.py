@@ -104,6 +104,16 @@ PARTS = ["meta", *GPU_TEST_PARTS, *NOTEBOOK_PARTS, "pack"]
 PRIORITY = ["meta", "gpu-tests", "nb-09", "nb-09b", "nb-02", "nb-03", "nb-04", "nb-05-06", "nb-03b", "nb-07",
             "nb-10", "gpu-tests-slow", "nb-00-01", "nb-08", "gpu-tests-autotune"]
 NEXT = "next"  # a --parts word: every part of PRIORITY the folder has not done, in that order
+# Seconds each part is expected to take in full mode on one H100 or H200: nb-00-01 as measured there (2026-11-26), the
+# others estimated from the code as NOTEBOOK_PARTS' comments say. A part measured in a committed full reference
+# (parts.json) is estimated by the longest such measurement instead (part_estimate_s).
+PART_ESTIMATE_S = {"meta": 1, "gpu-tests": 150, "gpu-tests-slow": 240, "gpu-tests-autotune": 300, "nb-00-01": 507,
+                   "nb-02": 270, "nb-03": 300, "nb-03b": 120, "nb-04": 390, "nb-05-06": 330, "nb-07": 210, "nb-08": 210,
+                   "nb-09": 300, "nb-09b": 360, "nb-10": 300, "pack": 10}
+# When a full run must end, in seconds since the epoch (scripts/gpu_call.sh sets it from its deadline): a part whose
+# estimate does not fit the time left is not started, and a shorter one after it may be. A part cut off by the deadline
+# is lost work (it is redone from its start), so on a machine lent for minutes, starting one that cannot end wastes them.
+DEADLINE_ENV = "DDPM_RUN_DEADLINE"
 SELF_ENV = "DDPM_REFERENCE_SELF"  # set while the reference run executes the notebooks
 IS_REFERENCE = "This executed copy is the reference run itself"  # how self_line() begins, whatever the machine
 
@@ -1032,6 +1042,8 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     if side_by_side:  # they run where the first of them stands in the order; the others (meta, tests, pack) one by one
         at = todo.index(side_by_side[0])
         todo = [p for p in todo[:at] if p not in side_by_side] + ["notebook parts"] + [p for p in todo[at:] if p not in side_by_side]
+    deadline = None if smoke else float(os.environ.get(DEADLINE_ENV) or 0) or None
+    not_started: list[str] = []
     for part in todo:
         if part == "notebook parts":
             _run_side_by_side(out, smoke, side_by_side, notebooks, keep_going, jobs, begin, finished, interrupted)
@@ -1041,6 +1053,13 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
             status_path.write_text(json.dumps(status, indent=1))
             print(f"[{part}] skipped: {why}", flush=True)
             continue
+        if deadline is not None:
+            est, source = part_estimate_s(part)
+            if est > (left := deadline - time.time()):
+                print(f"[{part}] not started: it takes about {est:.0f} s ({source}) and {max(left, 0):.0f} s are left "
+                      "before this run's deadline; a shorter part after it may fit", flush=True)
+                not_started.append(part)
+                continue
         begin(part)
         start = time.perf_counter()
         try:
@@ -1057,9 +1076,31 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     print(f"this command: {wall:.0f} s" + (f" ({total:.0f} s of parts side by side)" if total > wall + 1 else "")
           + f"; parts done in {out.name}: {len(done)} of {len(PARTS)} "
           f"(`python -m ddpm_core.reference status` for the table)", flush=True)
+    if not_started:
+        print(f"not started for lack of time: {' '.join(not_started)} (the next command or session runs them)", flush=True)
     if failed:
         raise RuntimeError(f"reference parts failed: {', '.join(failed)} (errors in {status_path})")
     return out
+
+
+def part_estimate_s(part: str, root: Path | None = None) -> tuple[float, str]:
+    """How long ``part`` takes in full mode, and where that figure comes from: the longest time a committed full
+    reference measured for it (any GPU's folder under ``root``, by default the reference folder), else
+    ``PART_ESTIMATE_S``."""
+    measured = []
+    for folder in reference_runs(root):
+        try:
+            if meta(folder).get("mode") != "full":
+                continue
+            v = json.loads((folder / "parts.json").read_text()).get(part)
+        except (OSError, ValueError):
+            continue
+        if isinstance(v, dict) and v.get("status") == "done" and "seconds" in v:
+            measured.append((float(v["seconds"]), folder.name))
+    if measured:
+        secs, where = max(measured)
+        return secs, f"measured in {where}"
+    return float(PART_ESTIMATE_S.get(part, 0)), "estimated from the code"
 
 
 def _skip_reason(part: str, smoke: bool) -> str | None:

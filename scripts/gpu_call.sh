@@ -128,6 +128,8 @@ if [ "${1:-}" = "--shakedown" ]; then
   tar -czf "$OUT/shakedown.tar.gz" -C "$(dirname "$shake")" "$(basename "$shake")/parts.json" \
     "$(basename "$shake")/notebooks" $(cd "$(dirname "$shake")" && ls "$(basename "$shake")"/tests*.log 2>/dev/null)
 else
+  # the run starts no part whose expected time (reference.part_estimate_s) no longer fits: 20 s are kept for packing
+  export DDPM_RUN_DEADLINE=$(( $(date +%s) + left - 20 ))
   timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --full --keep-going --archive-to "$OUT" --parts "$@" 2>&1 \
     | tee "$OUT/run.log"
   rc=${PIPESTATUS[0]}

@@ -314,6 +314,51 @@ def test_next_takes_the_parts_not_done_most_needed_first_and_one_gpu_leaves_08_o
         reference.run(out, smoke=False, parts=["nxt"])
 
 
+def test_a_run_with_a_deadline_starts_no_part_that_cannot_end_before_it(tmp_path, monkeypatch, capsys):
+    """scripts/gpu_call.sh gives the run its deadline (DDPM_RUN_DEADLINE): a part cut off by it is lost (redone from
+    its start), so a part whose expected time no longer fits is not started, and a shorter one after it may be. Each
+    fake part here moves a fake clock by its estimate; a committed full reference's measured time beats the estimate."""
+    clock = [1_000_000.0]
+    monkeypatch.setattr(reference.time, "time", lambda: clock[0])
+
+    def fake(out, smoke, prefixes, only, keep_going=False):
+        part = next(p for p, pre in reference.NOTEBOOK_PARTS.items() if pre == prefixes)
+        clock[0] += reference.PART_ESTIMATE_S[part]
+        return {"notebooks": {prefixes[0]: reference.PART_ESTIMATE_S[part]}}
+
+    def fake_tests(out, smoke, part="gpu-tests"):
+        clock[0] += reference.PART_ESTIMATE_S[part]
+        return {}
+
+    monkeypatch.setattr(reference, "_part_notebooks", fake)
+    monkeypatch.setattr(reference, "_part_gpu_tests", fake_tests)
+    monkeypatch.setattr(reference, "_part_meta", lambda out, smoke: (out / "meta.json").write_text(json.dumps(
+        {"device_name": "NVIDIA H200", "mode": "full"})) and None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path))
+    h100 = tmp_path / "h100-80gb-hbm3"  # a committed full reference that measured nb-03b at 200 s
+    h100.mkdir()
+    (h100 / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "mode": "full"}))
+    (h100 / "parts.json").write_text(json.dumps({"_mode": "full", "nb-03b": {"status": "done", "seconds": 200.0}}))
+    assert reference.part_estimate_s("nb-03b") == (200.0, "measured in h100-80gb-hbm3")
+    assert reference.part_estimate_s("nb-09") == (300.0, "estimated from the code")
+    monkeypatch.setenv(reference.DEADLINE_ENV, str(clock[0] + 700))
+    out = tmp_path / "h200"
+    reference.run(out, smoke=False, parts=["next"])
+    status = json.loads((out / "parts.json").read_text())
+    done = [p for p in reference.PARTS if status.get(p, {}).get("status") == "done"]
+    # meta (0 s here) + gpu-tests (150) + nb-09 (300) leave 250 s: 09b (360) does not fit, nor 02-05-06, 03b (200) does
+    assert done == ["meta", "gpu-tests", "nb-03b", "nb-09"] and status["nb-08"]["status"] == "skipped"
+    text = capsys.readouterr().out
+    assert "[nb-09b] not started: it takes about 360 s (estimated from the code) and 250 s are left" in text
+    assert "not started for lack of time: nb-09b nb-02 nb-03 nb-04 nb-05-06 nb-07 nb-10 gpu-tests-slow nb-00-01 " \
+           "gpu-tests-autotune" in text
+    assert "nb-09b" not in status  # nothing recorded: it is simply still to do
+    monkeypatch.delenv(reference.DEADLINE_ENV)  # no deadline (a run by hand, make reference): every part is started
+    reference.run(out, smoke=False, parts=["nb-09b"])
+    assert json.loads((out / "parts.json").read_text())["nb-09b"]["status"] == "done"
+
+
 def test_a_skipped_part_is_said_in_the_notebook_block_and_the_readme_table(tmp_path, monkeypatch):
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(getattr(obj, "data", obj)))
