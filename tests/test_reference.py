@@ -359,20 +359,6 @@ def test_a_run_with_a_deadline_starts_no_part_that_cannot_end_before_it(tmp_path
     assert json.loads((out / "parts.json").read_text())["nb-09b"]["status"] == "done"
 
 
-def test_a_skipped_part_is_said_in_the_notebook_block_and_the_readme_table(tmp_path, monkeypatch):
-    shown = []
-    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(getattr(obj, "data", obj)))
-    monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path))
-    folder = tmp_path / "h200"
-    folder.mkdir()
-    (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H200", "mode": "full"}))
-    (folder / "parts.json").write_text(json.dumps({"_mode": "full", "meta": {"status": "done", "seconds": 1},
-                                                   "nb-08": {"status": "skipped", "reason": "1 GPU on this machine"}}))
-    assert reference.show("08_multi_gpu", figures=[]) is True
-    assert "That run left this notebook out: 1 GPU on this machine." in " ".join(map(str, shown))
-    assert "nb-08 skipped: 1 GPU on this machine." in reference.status_markdown(tmp_path)
-
-
 def test_side_by_side_parts_run_in_processes_of_their_own_and_leave_the_folder_whole(tmp_path, monkeypatch):
     """run(jobs=2), as the test suite's smoke run uses it: notebook parts two at a time, each in a process of its own
     (forked here, so that the fake below reaches them; the real run starts fresh ones), recorded as they end."""
@@ -539,6 +525,13 @@ def test_a_reference_that_has_not_reached_a_notebook_says_so_and_shows_nothing_f
     reference.show("02_profile_the_baseline", figures=[])
     text = " ".join(map(str, shown))
     assert "ran for **1.5 min**" in text and "not reached" not in text
+    # a part a run left out (nb-08 on one GPU: reference._skip_reason) says why, in the block and in the README's table
+    parts = json.loads((folder / "parts.json").read_text())
+    (folder / "parts.json").write_text(json.dumps({**parts, "nb-08": {"status": "skipped", "reason": "1 GPU here"}}))
+    shown.clear()
+    reference.show("08_multi_gpu", figures=[])
+    assert "That run left this notebook out: 1 GPU here." in " ".join(map(str, shown))
+    assert "nb-08 skipped: 1 GPU here." in reference.status_markdown(tmp_path)
 
 
 def test_an_interrupted_part_is_recorded_and_packed_before_the_interrupt_goes_on(tmp_path, monkeypatch):
