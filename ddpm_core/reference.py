@@ -1113,10 +1113,9 @@ def _skip_reason(part: str, smoke: bool) -> str | None:
         return None
     import torch
 
-    n = torch.cuda.device_count()
-    if n >= 2:
+    if not torch.cuda.is_available() or torch.cuda.device_count() >= 2:  # a CPU's full run shows the CPU: it runs
         return None
-    return (f"{n} GPU on this machine: notebook 08's DDP runs would be gloo processes on its CPU with the tiny model, "
+    return ("one GPU on this machine: notebook 08's DDP runs would be gloo processes on its CPU with the tiny model, "
             "which show no GPU number; it needs two or more GPUs (NCCL) to show one (DDPM_REFERENCE_ALL=1 runs it)")
 
 

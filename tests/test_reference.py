@@ -294,6 +294,7 @@ def test_next_takes_the_parts_not_done_most_needed_first_and_one_gpu_leaves_08_o
     monkeypatch.setattr(reference, "_part_meta", lambda out, smoke: (out / "meta.json").write_text(json.dumps(
         {"device_name": "NVIDIA H200", "mode": "full", "torch_version": "2.11.0+cu130"})) and None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     out = tmp_path / "h200"
     out.mkdir()
     (out / "parts.json").write_text(json.dumps({"_mode": "full", "nb-09": {"status": "done", "seconds": 1.0}}))
@@ -302,7 +303,7 @@ def test_next_takes_the_parts_not_done_most_needed_first_and_one_gpu_leaves_08_o
                      "gpu-tests-autotune"]
     status = json.loads((out / "parts.json").read_text())
     assert status["nb-08"]["status"] == "skipped" and "gloo processes" in status["nb-08"]["reason"]
-    assert "[nb-08] skipped: 1 GPU on this machine" in capsys.readouterr().out
+    assert "[nb-08] skipped: one GPU on this machine" in capsys.readouterr().out
     calls.clear()
     reference.run(out, smoke=False, parts=["next"])  # everything done but the skipped part, which is asked again
     assert calls == [] and json.loads((out / "parts.json").read_text())["nb-08"]["status"] == "skipped"
@@ -310,6 +311,8 @@ def test_next_takes_the_parts_not_done_most_needed_first_and_one_gpu_leaves_08_o
     reference.run(out, smoke=False, parts=["nb-08"])
     assert calls == ["08"]
     assert "skipped" not in reference.status_markdown(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU's full run: 08 shows that CPU, and runs
+    assert reference._skip_reason("nb-08", smoke=False) is None
     with pytest.raises(ValueError, match="'next'"):
         reference.run(out, smoke=False, parts=["nxt"])
 
@@ -335,6 +338,7 @@ def test_a_run_with_a_deadline_starts_no_part_that_cannot_end_before_it(tmp_path
     monkeypatch.setattr(reference, "_part_meta", lambda out, smoke: (out / "meta.json").write_text(json.dumps(
         {"device_name": "NVIDIA H200", "mode": "full"})) and None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path))
     h100 = tmp_path / "h100-80gb-hbm3"  # a committed full reference that measured nb-03b at 200 s
     h100.mkdir()
