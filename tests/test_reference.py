@@ -419,6 +419,32 @@ def test_a_part_killed_from_outside_stays_running_and_the_next_run_does_it_again
     assert json.loads((out / "parts.json").read_text())["nb-04"]["status"] == "done"
 
 
+def test_each_gpu_test_gets_a_limit_of_its_own_where_pytest_timeout_is_installed(tmp_path, monkeypatch):
+    """A hung gpu test must fail alone (pytest-timeout, which the GPU image has), not hold its part and the session's
+    minutes until the part's budget; without the plugin the command is the same, less the option."""
+    import importlib.util
+    import types
+
+    ran = []
+
+    def fake_run(cmd, cwd, stdout, stderr, text, timeout):
+        ran.append(cmd)
+        stdout.write("1 passed in 1.0s\n")
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(reference.subprocess, "run", fake_run)
+    real = importlib.util.find_spec
+    for installed in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+            (object() if installed else None) if name == "pytest_timeout" else real(name, *a)))
+        for part in reference.GPU_TEST_PARTS:
+            assert reference._part_gpu_tests(tmp_path, smoke=False, part=part) == {"passed": 1}
+            option = f"--timeout={reference.GPU_TEST_TIMEOUT_S[part]}"
+            assert (option in ran[-1]) is installed and ran[-1][-1] == "tests"
+            assert (option in (tmp_path / reference.GPU_TEST_PARTS[part][1]).read_text().splitlines()[0]) is installed
+
+
 def test_a_smoke_run_on_a_gpu_gets_its_own_folder_beside_the_gpus_reference(monkeypatch, tmp_path):
     import torch
 
