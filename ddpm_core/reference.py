@@ -513,11 +513,21 @@ def _now_us() -> str:  # orders two archives made within one second (a chain's l
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
-def _git(*args: str) -> str:
+def _git(*args: str) -> str | None:
+    """git's output, or None where git failed or took over 10 s (no git, no repository, a hung command)."""
     try:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        proc = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+# `git status` with the notebooks' nbstripout filter (.gitattributes) runs nbstripout, a Python start of a second or
+# more, on every notebook whose index entry git cannot trust by its timestamps: every one of them in a fresh clone,
+# where the files and the index were written in the same second. CI's clone spent 20 s there, past _git's 10 s, in
+# every meta part (and said the tree was clean). The files as they are show whether the tree differs from the
+# commit: a reference run writes its executed copies elsewhere, and the committed notebooks carry no outputs.
+_STATUS = ("-c", "filter.nbstripout.clean=cat", "status", "--porcelain", "--untracked-files=no")
 
 
 def _part_meta(out: Path, smoke: bool) -> None:
@@ -537,8 +547,9 @@ def _part_meta(out: Path, smoke: bool) -> None:
         # a device machine gets a copy of the working tree whose .git (if any) need not be the commit that
         # travelled (the H100 run of 2026-11-26 found the session's first commit there): the command names it
         "git_commit": os.environ.get("DDPM_GIT_COMMIT") or _git("rev-parse", "HEAD"),
-        # unknown where the command names the commit: commit before the call, so that the tree is that commit
-        "git_dirty": None if os.environ.get("DDPM_GIT_COMMIT") else bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # unknown where the command names the commit (commit before the call, so that the tree is that commit), or
+        # where git failed
+        "git_dirty": None if os.environ.get("DDPM_GIT_COMMIT") or (status := _git(*_STATUS)) is None else bool(status),
         "cpu_cores": os.cpu_count(),
     }
     if cuda:

@@ -523,6 +523,45 @@ def test_meta_names_the_commit_from_the_environment_where_the_copy_has_no_git(tm
     assert reference.meta(tmp_path)["git_commit"] == "0123456789abcdef"
 
 
+def test_meta_asks_git_for_a_dirty_tree_without_running_the_notebook_filter(tmp_path, monkeypatch):
+    """In a fresh clone git cannot trust the notebooks' timestamps and runs their clean filter (nbstripout, a second or
+    more each) on every one: CI's clone took 20 s, past _git's 10 s limit, in every meta part, which then said "clean".
+    Here the filter would take 30 s: meta asks with the files as they are, in well under that, and says what it saw."""
+    import shutil
+
+    if not shutil.which("git"):
+        pytest.skip("no git")
+    repo = tmp_path / "repo"
+    (repo / "notebooks").mkdir(parents=True)
+    (repo / ".gitattributes").write_text("notebooks/*.ipynb filter=nbstripout\n")
+    nb = repo / "notebooks" / "00.ipynb"
+    nb.write_text("{}\n")
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "x")
+    git("config", "filter.nbstripout.clean", "sleep 30; cat")
+    os.utime(nb, (time.time() + 100, time.time() + 100))  # its timestamp no longer matches the index: git must look
+    monkeypatch.setattr(reference, "REPO_ROOT", repo)
+    monkeypatch.delenv("DDPM_GIT_COMMIT", raising=False)
+    start = time.perf_counter()
+    reference._part_meta(tmp_path, smoke=True)
+    assert time.perf_counter() - start < 8
+    m = reference.meta(tmp_path)
+    assert m["git_dirty"] is False and len(m["git_commit"]) == 40
+    nb.write_text('{"changed": 1}\n')
+    reference._part_meta(tmp_path, smoke=True)
+    assert reference.meta(tmp_path)["git_dirty"] is True
+    monkeypatch.setattr(reference, "REPO_ROOT", tmp_path / "not-a-repo")  # git fails: unknown, not "clean"
+    (tmp_path / "not-a-repo").mkdir()
+    reference._part_meta(tmp_path, smoke=True)
+    assert reference.meta(tmp_path)["git_dirty"] is None and reference.meta(tmp_path)["git_commit"] is None
+
+
 def test_meta_prefers_the_named_commit_over_a_git_folder_at_another_commit(tmp_path, monkeypatch):
     """The H100's copy of the tree held a .git at the session's first commit, not at the one that travelled."""
     monkeypatch.setattr(reference, "_git", lambda *a: "ff80671414537a1125a76f49c59d33c014edcc12" if "rev-parse" in a else " M x")
