@@ -58,7 +58,7 @@ PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
 
 # Which table row a device name belongs to; the first match wins (so "A100" before "A10").
 _DEVICE_PATTERNS = [
-    (r"H200", "H200"),
+    (r"H200(?!\s*NVL)", "H200"),  # the H200 NVL, a 600 W PCIe card, has lower datasheet peaks: not the SXM row (add_peak)
     (r"H100.*PCIe", "H100 PCIe"),
     (r"H100", "H100 SXM"),
     (r"A100", "A100"),

@@ -91,6 +91,8 @@ def test_mfu_is_left_out_not_guessed():
     assert bench.peak_for_name("Tesla T4", "bf16")[0] is None
     peak, why = bench.peak_for_name("Some Future GPU", "bf16")
     assert peak is None and "not in ddpm_core.bench.PEAK_TFLOPS" in why
+    # the H200 NVL (a PCIe card, lower clocks) is not given the SXM H200's peak: no row, so no MFU, until add_peak
+    assert bench.peak_for_name("NVIDIA H200 NVL", "bf16")[0] is None
     assert bench.peak_for("cpu", "fp32")[0] is None
     assert all(set(v) == {"fp32", "tf32", "bf16", "fp16"} for v in bench.PEAK_TFLOPS.values())
 
