@@ -1068,7 +1068,7 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
             _run_side_by_side(out, smoke, side_by_side, notebooks, keep_going, jobs, begin, finished, interrupted)
             continue
         if (why := _skip_reason(part, smoke)) is not None:  # recorded, never "done": a later run asks again
-            status[part] = {"status": "skipped", "reason": why, "finished": _now()}
+            status[part] = {"status": "skipped", "reason": why}  # no "finished": the README's table shows no date for it
             status_path.write_text(json.dumps(status, indent=1))
             print(f"[{part}] skipped: {why}", flush=True)
             continue
