@@ -270,7 +270,11 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
         nb_path = NOTEBOOKS_DIR / f"{notebook}.ipynb"
         figures = declared_figures(nb_path) if nb_path.exists() else []
     prefix = notebook.split("_")[0]  # "03", "03b"
-    for folder in runs:
+    # A run made across several commands or sessions may not have reached this notebook: where another run has, that
+    # one is shown and each run that has not gets one line after it, not a heading with nothing under it.
+    gaps = {folder: _not_reached(folder, notebook) for folder in runs}
+    reached = [f for f in runs if gaps[f] is None]
+    for folder in reached or runs:
         m = meta(folder)
         ref_label = label(folder)
         mode = " in smoke mode (a stand-in made without a GPU)" if m.get("mode") == "smoke" else ""
@@ -281,17 +285,8 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
             f"committed in `data/reference/{folder.name}/`."
             + (f" This notebook ran for **{secs / 60:.1f} min** there{mode or ' in full mode'}."
                if (secs := notebook_seconds(folder, notebook)) is not None else "")))
-        if secs is None and (folder / "parts.json").exists():
-            # a reference made across several commands or sessions: this notebook's part is not done yet
-            parts = json.loads((folder / "parts.json").read_text())
-            done = [p for p, v in parts.items() if isinstance(v, dict) and v.get("status") == "done"]
-            own = next((v for p, v in parts.items() if prefix in NOTEBOOK_PARTS.get(p, [])), None)
-            if isinstance(own, dict) and own.get("status") == "skipped":
-                display(Markdown(f"That run left this notebook out: {own.get('reason', '?')}. Nothing below comes "
-                                 "from it for this notebook."))
-                continue
-            display(Markdown(f"That run has not reached this notebook yet (parts done: {', '.join(done) or 'none'}). "
-                             "Nothing below comes from it for this notebook."))
+        if gaps[folder] is not None:
+            display(Markdown(f"That run {gaps[folder]}. Nothing below comes from it for this notebook."))
             continue
         rows = results(folder, notebook)
         if len(rows):
@@ -329,7 +324,26 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
             if path.exists():
                 display(Markdown(f"`{fig_name}` from the reference run:"))
                 display(Image(filename=str(path)))
+    if reached:
+        for folder in runs:
+            if gaps[folder] is not None:
+                display(Markdown(f"The reference run on {device_words(meta(folder), folder)} "
+                                 f"(`data/reference/{folder.name}/`) {gaps[folder]}."))
     return True
+
+
+def _not_reached(folder: Path, notebook: str) -> str | None:
+    """Why the reference run in ``folder`` shows nothing for ``notebook`` ("has not reached this notebook yet (parts
+    done: ...)", "left this notebook out: <reason>"), or None where it ran it (or keeps no parts.json: a whole run)."""
+    if notebook_seconds(folder, notebook) is not None or not (folder / "parts.json").exists():
+        return None
+    prefix = notebook.split("_")[0]
+    parts = json.loads((folder / "parts.json").read_text())
+    done = [p for p, v in parts.items() if isinstance(v, dict) and v.get("status") == "done"]
+    own = next((v for p, v in parts.items() if prefix in NOTEBOOK_PARTS.get(p, [])), None)
+    if isinstance(own, dict) and own.get("status") == "skipped":
+        return f"left this notebook out: {own.get('reason', '?')}"
+    return f"has not reached this notebook yet (parts done: {', '.join(done) or 'none'})"
 
 
 # A line of a reference notebook's own output that the README quotes under its status table (so that the README's

@@ -601,6 +601,26 @@ def test_a_reference_that_has_not_reached_a_notebook_says_so_and_shows_nothing_f
     reference.show("08_multi_gpu", figures=[])
     assert "That run left this notebook out: 1 GPU here." in " ".join(map(str, shown))
     assert "nb-08 skipped: 1 GPU here." in reference.status_markdown(tmp_path)
+    # a second GPU's run that has reached notebook 03: its block is shown, and the H100's gets one line after it
+    h200 = tmp_path / "h200"
+    h200.mkdir()
+    (h200 / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H200", "mode": "full",
+                                                "torch_version": "2.11.0+cu130", "date": "2026-12-01"}))
+    (h200 / "parts.json").write_text(json.dumps({"meta": {"status": "done"}, "nb-03": {
+        "status": "done", "seconds": 200, "notebooks": {"03_batch_size": 180.0}}}))
+    _rows("03_batch_size", ["batch 128"]).to_csv(h200 / "results.csv", index=False)
+    shown.clear()
+    reference.show("03_batch_size", figures=[])
+    text = [str(x) for x in shown]
+    headings = [t for t in text if t.startswith("### On ")]
+    assert len(headings) == 1 and headings[0].startswith("### On NVIDIA H200 (reference run")
+    assert "batch 128" in " ".join(text) and "ran for **3.0 min**" in " ".join(text)
+    assert text[-1] == ("The reference run on NVIDIA H100 80GB HBM3 (`data/reference/h100-80gb-hbm3/`) has not reached "
+                        "this notebook yet (parts done: meta, nb-02).")
+    shown.clear()  # where neither has, each says so under its heading, as before
+    reference.show("05_sdpa_attention", figures=[])
+    assert sum(str(x).startswith("### On ") for x in shown) == 2
+    assert sum("That run has not reached this notebook yet" in str(x) for x in shown) == 2
 
 
 def test_an_interrupted_part_is_recorded_and_packed_before_the_interrupt_goes_on(tmp_path, monkeypatch):
