@@ -25,6 +25,14 @@ def device_name(device: torch.device | str | None = None) -> str:
     return f"CPU ({cpu}, {n} thread{'' if n == 1 else 's'})"
 
 
+_RUN_LABEL: str | None = None  # what env.show() printed: the device this process measures on
+
+
+def run_label() -> str:
+    """The label of this process's measurements: what ``show()`` printed, else ``label()`` for the default device."""
+    return _RUN_LABEL or label()
+
+
 def label(device: torch.device | str | None = None) -> str:
     """One line for figure titles: device and torch version (and CUDA version on a GPU)."""
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -245,7 +253,8 @@ def show(device: torch.device | str | None = None) -> tuple[torch.device, str]:
     # Tables show their sentences whole (a verdict, a source, a break reason): pandas cuts a cell at 50 characters
     # with "...", and JupyterLab wraps a long cell within the output area instead.
     pd.set_option("display.max_colwidth", 300)
-    text = label(device)
+    global _RUN_LABEL
+    text = _RUN_LABEL = label(device)
     print(text)
     display(pd.Series(describe(device), name="value").to_frame())
     return device, text

@@ -76,11 +76,38 @@ def legend_below(ax: "plt.Axes", align: str = "center", **kw: Any) -> "plt.Legen
                      frameon=False, **kw)
 
 
-def savefig(fig: "plt.Figure", name: str, dpi: int = 150) -> Path:
+def source_metadata(source: str | None = None, mode: str | None = None) -> dict[str, str]:
+    """What a PNG written by ``savefig`` records of where it comes from (text chunks that ``figure_source`` reads):
+    the device and torch label (``source``, default the label the notebook's environment cell printed), the mode
+    (``mode``, default ``DDPM_SMOKE`` as the notebooks read it: "smoke" or "full") and the date."""
+    import datetime
+    import os
+
+    from . import env
+
+    return {"Source": source or env.run_label(), "Mode": mode or ("smoke" if os.environ.get("DDPM_SMOKE") == "1" else "full"),
+            "Created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def figure_source(path: Path | str) -> dict[str, str]:
+    """The ``source_metadata`` a PNG holds ({} for a figure written before figures recorded it, or not a PNG)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            info = dict(im.info)
+    except OSError:
+        return {}
+    return {k: str(info[k]) for k in ("Source", "Mode", "Created") if k in info}
+
+
+def savefig(fig: "plt.Figure", name: str, dpi: int = 150, source: str | None = None, mode: str | None = None) -> Path:
     """Save ``fig`` as ``<figures dir>/<name>`` (PNG, written atomically) and return the path.
 
-    The folder is $DDPM_FIGURES_DIR when set, so test runs never overwrite committed figures. A legend that covers
-    a label or a title is reported as a warning that starts with ``LAYOUT_WARNING`` (the suite fails on it).
+    The folder is $DDPM_FIGURES_DIR when set, so test runs never overwrite committed figures. A PNG records where it
+    comes from (``source_metadata``: ``source``, default this process's device label; ``mode``; the date), which the
+    README's sentence on the committed figures is written from. A legend that covers a label or a title is reported
+    as a warning that starts with ``LAYOUT_WARNING`` (the suite fails on it).
     """
     import warnings
 
@@ -93,7 +120,9 @@ def savefig(fig: "plt.Figure", name: str, dpi: int = 150) -> Path:
     if path.suffix == "":
         path = path.with_suffix(".png")
     buf = io.BytesIO()
-    fig.savefig(buf, format=path.suffix.lstrip("."), dpi=dpi, bbox_inches="tight")
+    fmt = path.suffix.lstrip(".").lower()
+    fig.savefig(buf, format=fmt, dpi=dpi, bbox_inches="tight",
+                **({"metadata": source_metadata(source, mode)} if fmt == "png" else {}))
     atomic_write_bytes(path, buf.getvalue())
     return path
 

@@ -312,12 +312,12 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
             if temporal is not None and len(temporal):
                 display(tr.per_rank(temporal))
                 fig = plots.temporal_breakdown(temporal, label=ref_label, title=f"{name}: {title}")
-                plots.savefig(fig, f"{stem}_temporal.png")
+                plots.savefig(fig, f"{stem}_temporal.png", source=ref_label, mode=m.get("mode"))
                 plots.plt.show()
             if kinds is not None and len(kinds):
                 fig = plots.kernel_breakdown(kinds, label=ref_label, title=f"{name}: " + (
                     "GPU kernel time by type (HTA)" if rep.has_gpu else "CPU operator self time by kind"))
-                plots.savefig(fig, f"{stem}_kernels.png")
+                plots.savefig(fig, f"{stem}_kernels.png", source=ref_label, mode=m.get("mode"))
                 plots.plt.show()
         for fig_name in figures:
             path = folder / "figures" / fig_name
@@ -447,6 +447,98 @@ def status_markdown(root: Path | None = None) -> str:
             lines += ["", stages]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+# ------------------------------------------------------------------------------ where the committed figures come from
+def figure_source(path: Path, root: Path | None = None) -> str | None:
+    """Where the figure at ``path`` was measured, in words, or None where nothing records it.
+
+    A figure with the same bytes as a full reference run's copy (what ``unpack`` copies into figures/) comes from
+    that run: "the reference run on <GPU> (full mode, torch ..., <date>)". Otherwise the PNG's own record
+    (``plots.figure_source``): "a smoke-mode run on <device> · torch ... (<date>)"."""
+    from . import plots
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    digest = _sha1(path)
+    for folder in reference_runs(root):
+        m = meta(folder)
+        copy = folder / "figures" / path.name
+        if m.get("mode") == "full" and copy.is_file() and _sha1(copy) == digest:
+            rec = plots.figure_source(path)
+            day = (rec.get("Created") or str(m.get("date", "?")))[:10]
+            return (f"the reference run on {device_words(m, folder)} (full mode, torch {m.get('torch_version', '?')}, "
+                    f"{day})")
+    rec = plots.figure_source(path)
+    if not rec.get("Source"):
+        return None
+    return f"a {rec.get('Mode', '?')}-mode run on {rec['Source']} ({rec.get('Created', '?')[:10]})"
+
+
+def _and(words: Sequence[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    words = list(words)
+    return " and ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def figures_markdown(figures: Path | None = None, root: Path | None = None) -> str:
+    """The README's sentence on where the committed figures come from, written from the figures themselves
+    (``figure_source``) for every figure a notebook declares; ``python -m ddpm_core.reference readme`` puts it there."""
+    from .series import NOTEBOOKS_DIR, declared_figures, list_notebooks
+
+    figures = Path(figures) if figures is not None else figures_dir()
+    declared = {nb.stem.split("_")[0]: declared_figures(nb) for nb in list_notebooks(NOTEBOOKS_DIR)}
+    groups: dict[str, list[tuple[str, str]]] = {}
+    missing, unknown = [], []
+    for prefix, names in declared.items():
+        for name in names:
+            if not (figures / name).is_file():
+                missing.append(name)
+            elif (src := figure_source(figures / name, root)) is None:
+                unknown.append(name)
+            else:
+                groups.setdefault(src, []).append((prefix, name))
+
+    def which(items: list[tuple[str, str]]) -> str:
+        whole = [p for p in dict.fromkeys(p for p, _ in items) if len(declared[p]) == sum(q == p for q, _ in items)]
+        parts = ([("notebook " if len(whole) == 1 else "notebooks ") + _and(whole)] if whole else []) + [
+            f"`{n}`" for p, n in items if p not in whole]
+        return f"the {len(items)} of " + _and(parts) if whole else _and(parts)
+
+    total = sum(map(len, declared.values()))
+    # the reference runs' figures first: they are the ones a reader should look at
+    ordered = sorted(groups.items(), key=lambda kv: (not kv[0].startswith("the reference run"), kv[1][0]))
+    said = "; ".join(f"{which(items)} from " + (src[:-1] + "; [where it stands](#where-the-reference-run-stands))"
+                                                if src.startswith("the reference run") else src)
+                     for src, items in ordered)
+    text = (f"The figures in `figures/` (all {total} that the notebooks declare) come from real runs, each titled with "
+            f"its device (`python -m ddpm_core.reference readme` writes this sentence from the figures themselves): "
+            f"{said or 'none is committed'}.")
+    if unknown:
+        text += f" No record says where {', '.join(f'`{n}`' for n in unknown)} came from."
+    if missing:
+        text += f" Missing: {', '.join(f'`{n}`' for n in missing)}."
+    if any(not src.startswith("the reference run") for src in groups):
+        text += " Each is replaced by its GPU figure as the reference run reaches its notebook."
+    return text
+
+
+# The README describes the repository's own runs and figures, whatever DDPM_REFERENCE_DIR or DDPM_FIGURES_DIR say.
+README_BLOCKS = {"reference-status": lambda: status_markdown(REFERENCE_DIR),
+                 "figure-sources": lambda: figures_markdown(REPO_ROOT / "figures", REFERENCE_DIR)}
+
+
+def readme_blocks(text: str) -> str:
+    """``text`` (the README) with each README_BLOCKS block, between its ``<!-- name -->`` and ``<!-- /name -->``
+    markers, written anew."""
+    for name, make in README_BLOCKS.items():
+        start, end = f"<!-- {name} -->\n", f"<!-- /{name} -->"
+        if start not in text or end not in text.split(start, 1)[1]:
+            raise ValueError(f"README has no {start.strip()} ... {end} markers")
+        head, rest = text.split(start, 1)
+        text = head + start + make().strip() + "\n" + end + rest.split(end, 1)[1]
+    return text
 
 
 # ------------------------------------------------------------------------------ traces
@@ -1108,7 +1200,7 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     wall = time.perf_counter() - run_start
     print(f"this command: {wall:.0f} s" + (f" ({total:.0f} s of parts side by side)" if total > wall + 1 else "")
           + f"; parts done in {out.name}: {len(done)} of {len(PARTS)} "
-          f"(`python -m ddpm_core.reference status` for the table)", flush=True)
+          f"(`python -m ddpm_core.reference status` for the table, `readme` to write it into the README)", flush=True)
     if not_started:
         print(f"not started for lack of time: {' '.join(not_started)} (the next command or session runs them)", flush=True)
     if failed:
@@ -1207,6 +1299,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--archive-to", default=None, metavar="DIR",
                    help="after every part, pack the folder into DIR/<name>.tar.gz (e.g. $OUT on a device machine)")
     sub.add_parser("status", help="print where each committed full reference run stands (the README's table)")
+    sub.add_parser("readme", help="write the README's blocks that come from the committed runs: where each reference "
+                                  "run stands, and where the committed figures come from")
     k = sub.add_parser("pack", help="pack a reference folder into <folder>.tar.gz")
     k.add_argument("folder")
     k.add_argument("--delta", action="store_true",
@@ -1224,6 +1318,12 @@ def main(argv: list[str] | None = None) -> int:
                 keep_going=args.keep_going, archive_to=Path(args.archive_to) if args.archive_to else None, jobs=args.jobs)
         elif args.cmd == "status":
             print(status_markdown())
+        elif args.cmd == "readme":
+            from .atomic import atomic_write_text
+
+            readme = REPO_ROOT / "README.md"
+            atomic_write_text(readme, readme_blocks(readme.read_text()))
+            print(f"wrote {readme}'s blocks: {', '.join(README_BLOCKS)}")
         elif args.cmd == "pack":
             print(pack(Path(args.folder), delta=args.delta))
         else:

@@ -670,11 +670,11 @@ def test_gpu_call_shakedown_goes_on_past_a_failing_notebook_and_returns_the_exec
 
 
 def test_the_readme_shows_where_each_committed_reference_run_stands():
-    """The README's status block is `python -m ddpm_core.reference status`: rerun it after committing a part."""
+    """The README's status block is `python -m ddpm_core.reference status`: `reference readme` after committing a part."""
     text = (series.REPO_ROOT / "README.md").read_text()
     block = text.split("<!-- reference-status -->\n", 1)[1].split("<!-- /reference-status -->", 1)[0]
-    assert block.strip() == reference.status_markdown().strip(), (
-        "README's reference status is stale. Fix: paste the output of `python -m ddpm_core.reference status` "
+    assert block.strip() == reference.README_BLOCKS["reference-status"]().strip(), (
+        "README's reference status is stale. Fix: run `python -m ddpm_core.reference readme`, which writes it "
         "between its <!-- reference-status --> markers.")
 
 
@@ -981,3 +981,59 @@ def test_a_delta_over_the_limit_names_its_biggest_files_and_the_fix(tmp_path, mo
     assert "2 new or changed files of 9" in said and "Fix: run fewer parts per command" in said
     assert said.index("notebooks/09_putting_it_together.ipynb") < said.index("traces/09_stage/rank0.pt.trace.json.gz")
     assert "02_baseline" not in said  # the base's files are not in the archive: not named
+
+
+def test_the_sentence_on_the_committed_figures_is_written_from_the_figures(tmp_path, monkeypatch):
+    """Where each figure comes from: a full reference run's copy by its bytes, any other by its PNG's record."""
+    from ddpm_core import env, plots
+
+    figs, root = tmp_path / "figures", tmp_path / "reference"
+    run = root / "h200"
+    (run / "figures").mkdir(parents=True)
+    (run / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H200", "mode": "full",
+                                               "torch_version": "2.11.0+cu130", "date": "2026-12-01T10:00:00"}))
+    monkeypatch.setenv("DDPM_FIGURES_DIR", str(figs))
+    monkeypatch.setenv("DDPM_SMOKE", "1")
+    monkeypatch.setattr(env, "_RUN_LABEL", "CPU (test) · torch 9.9")
+    declared = {nb.stem.split("_")[0]: series.declared_figures(nb) for nb in NOTEBOOKS}
+    fig = plots.plt.figure()
+    for prefix, names in declared.items():
+        for name in names:
+            if prefix not in ("00", "02"):
+                plots.savefig(fig, name)  # this machine, smoke mode
+    for name in declared["00"]:  # the GPU's, as unpack copies them
+        (run / "figures" / name).write_bytes(plots.savefig(fig, name, source="NVIDIA H200 · torch 2.11.0+cu130",
+                                                           mode="full").read_bytes())
+    fig.savefig(figs / declared["02"][0])  # no record
+    text = reference.figures_markdown(figs, root)
+    total = sum(map(len, declared.values()))
+    assert text.startswith(f"The figures in `figures/` (all {total} that the notebooks declare)")
+    today = time.strftime("%Y-%m-%d", time.gmtime())  # the day the PNG records, not the day the run began
+    assert (f"the {len(declared['00'])} of notebook 00 from the reference run on NVIDIA H200 (full mode, torch "
+            f"2.11.0+cu130, {today}; [where it stands](#where-the-reference-run-stands))") in text
+    assert "notebooks 01, 03, 03b," in text and " and 10 from a smoke-mode run" in text and "from a smoke-mode run on CPU (test) · torch 9.9 (2026-" in text
+    assert f"No record says where `{declared['02'][0]}` came from." in text
+    assert "Missing: " + ", ".join(f"`{n}`" for n in declared["02"][1:]) + "." in text
+    assert text.endswith("Each is replaced by its GPU figure as the reference run reaches its notebook.")
+    # a figure that differs from the reference run's copy is not credited to it
+    plots.savefig(fig, declared["00"][0])
+    assert "notebook 00 from" not in reference.figures_markdown(figs, root)
+
+
+def test_readme_writes_both_blocks_between_their_markers_and_refuses_a_readme_without_them(monkeypatch):
+    monkeypatch.setattr(reference, "README_BLOCKS", {"reference-status": lambda: "STATUS", "figure-sources": lambda: "FIGS"})
+    text = ("intro\n<!-- figure-sources -->\nold\n<!-- /figure-sources -->\nmiddle\n"
+            "<!-- reference-status -->\nold table\n<!-- /reference-status -->\nend\n")
+    assert reference.readme_blocks(text) == ("intro\n<!-- figure-sources -->\nFIGS\n<!-- /figure-sources -->\nmiddle\n"
+                                             "<!-- reference-status -->\nSTATUS\n<!-- /reference-status -->\nend\n")
+    with pytest.raises(ValueError, match="no <!-- figure-sources --> ... <!-- /figure-sources --> markers"):
+        reference.readme_blocks("intro\n<!-- reference-status -->\nx\n<!-- /reference-status -->\n")
+
+
+def test_the_readme_says_where_the_committed_figures_come_from():
+    """Every committed figure is credited to a run that made it, and the README says so in the generated words."""
+    block = reference.README_BLOCKS["figure-sources"]()
+    assert "No record" not in block and "Missing" not in block, block
+    text = (series.REPO_ROOT / "README.md").read_text()
+    assert block in text, ("README's sentence on where the figures come from is stale. Fix: run "
+                           "`python -m ddpm_core.reference readme` (after `unpack`, or after replacing figures).")

@@ -450,3 +450,19 @@ def test_a_log_axis_uses_one_tick_format():
     assert labels[wide] and all("10^" in t for t in labels[wide]), labels[wide]
     assert labels[narrow] and not any("10^" in t for t in labels[narrow]) and "100" in labels[narrow], labels[narrow]
     plt.close(fig)
+
+
+def test_a_png_records_the_device_the_mode_and_the_date_it_was_made_with(figures, monkeypatch):
+    from ddpm_core import env
+
+    monkeypatch.setenv("DDPM_SMOKE", "1")
+    monkeypatch.setattr(env, "_RUN_LABEL", "CPU (test, 2 threads) · torch 9.9")  # what env.show() printed
+    fig = plots.plt.figure()
+    rec = plots.figure_source(plots.savefig(fig, "made_here"))
+    assert rec["Source"] == "CPU (test, 2 threads) · torch 9.9" and rec["Mode"] == "smoke"
+    assert rec["Created"][:4].isdigit() and rec["Created"].endswith("UTC")
+    # a figure drawn from a reference run's data says so, not this machine
+    rec = plots.figure_source(plots.savefig(fig, "from_the_reference", source="reference: GPU X", mode="full"))
+    assert (rec["Source"], rec["Mode"]) == ("reference: GPU X", "full")
+    fig.savefig(figures / "bare.png")  # a PNG written without savefig records nothing
+    assert plots.figure_source(figures / "bare.png") == {} and plots.figure_source(figures / "nothing.png") == {}
