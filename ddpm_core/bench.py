@@ -633,6 +633,12 @@ class CpuLoad:
     ``other_share``: CPU time spent outside this process and its children (hypervisor steal
     included), as a share of all cores' time over the block. ``load_1min``: the higher of the
     1-minute load averages at the start and the end.
+
+    The kernel counts CPU time in clock ticks (10 ms where CLK_TCK is 100), and each counter read here
+    is cut to a whole tick: over a block of a few milliseconds one stray tick reads as tens of percent
+    of the machine (07's augmentation timing, 10 ms long on an idle machine, read "68%"). So the
+    count is lowered by what that rounding can add (``slack_s``: a tick per counter) before it is
+    divided: a block too short to measure reads 0, not busy; a block of seconds loses a few points.
     """
 
     def __enter__(self) -> "CpuLoad":
@@ -641,6 +647,7 @@ class CpuLoad:
         self._psutil = psutil
         self._proc = psutil.Process()
         self.cores = psutil.cpu_count() or 1
+        self._children = 0  # processes of this run that _own() counted at its last call
         self._busy0, self._own0 = self._busy(), self._own()
         self._t0 = time.perf_counter()
         self.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -654,18 +661,30 @@ class CpuLoad:
     def _own(self) -> float:
         t = self._proc.cpu_times()
         own = t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+        self._children = 0
         for child in self._proc.children(recursive=True):  # live workers / ranks of this run
             try:
                 ct = child.cpu_times()
                 own += ct.user + ct.system
+                self._children += 1
             except self._psutil.Error:
                 pass
         return own
 
+    @staticmethod
+    def tick_s() -> float:
+        try:
+            return 1.0 / os.sysconf("SC_CLK_TCK")
+        except (AttributeError, ValueError, OSError):  # not a POSIX system: psutil's usual resolution
+            return 0.01
+
     def __exit__(self, *exc: Any) -> None:
         wall = max(time.perf_counter() - self._t0, 1e-9)
+        children0 = self._children
         other = (self._busy() - self._busy0) - (self._own() - self._own0)
-        self.other_share = min(1.0, max(0.0, other / (wall * self.cores)))
+        # a tick per counter read: 6 system-wide, 4 of this process, 2 per child (at the start or the end)
+        self.slack_s = self.tick_s() * (6 + 4 + 2 * max(children0, self._children))
+        self.other_share = min(1.0, max(0.0, (other - self.slack_s) / (wall * self.cores)))
         end = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         self.load_1min = max(self.load_start, end)
 
@@ -1264,6 +1283,19 @@ def part_change_bounds(step_ms: float, part_ms: float, new_part_ms: float) -> tu
     if step_ms <= 0 or part_ms < 0 or new_part_ms < 0:
         raise ValueError(f"need step_ms > 0 and part times >= 0, got {step_ms}, {part_ms} and {new_part_ms}")
     return step_ms / (step_ms + max(new_part_ms - part_ms, 0.0)), amdahl_bound(step_ms, part_ms)
+
+
+def spread_margin(*measurements: "Measurement") -> float:
+    """How far a factor between ``measurements`` can sit from what their parts' own times predict by their noise alone:
+    half the sum of their relative p10-p90 spreads (two steps that each spread 4% give +-4%)."""
+    return sum((m.p90_ms - m.p10_ms) / m.median_ms for m in measurements) / 2
+
+
+def past_bounds(factor: float, low: float, high: float, margin: float = 0.0) -> bool:
+    """Whether ``factor`` lies outside ``[low, high]`` (``part_change_bounds``, ``amdahl_bound``) by more than the
+    relative ``margin`` (``spread_margin``): only then is it drift, not the change. A factor just past a bound,
+    within the steps' own spread, is what a change of that size measures on a noisy step."""
+    return factor < low * (1 - margin) or factor > high * (1 + margin)
 
 
 def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "pd.DataFrame":

@@ -685,3 +685,22 @@ def test_compare_in_processes_times_real_launches_and_names_a_failing_one():
                                      batch_size=2, rounds=1, iters=2, warmup=1, progress=False)
     assert [m.name for m in cmp.measurements] == ["a", "b"] and all(m.iters == 2 and m.median_ms > 0 for m in cmp.measurements)
     assert cmp.measurements[0].memory_kind == bench.SAVED_KIND and cmp.noise.threads == torch.get_num_threads()
+
+
+def test_cpu_load_does_not_read_a_stray_clock_tick_over_a_short_block_as_a_busy_machine(monkeypatch):
+    """07's augmentation timing lasted about 10 ms; one 10-ms tick of another process's time read as 68% of 2 cores."""
+    clock = iter([100.0, 100.010, 200.0, 210.0])  # two blocks: 10 ms, then 10 s
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    busy = iter([50.0, 50.0 + 0.0136, 60.0, 60.0 + 6.0 + 0.5])  # system-wide busy seconds, at each block's ends
+    own = iter([1.0, 1.0, 2.0, 2.0 + 0.5])  # this process's seconds
+    monkeypatch.setattr(bench.CpuLoad, "_busy", lambda self: next(busy))
+    monkeypatch.setattr(bench.CpuLoad, "_own", lambda self: next(own))
+    monkeypatch.setattr(bench.CpuLoad, "tick_s", staticmethod(lambda: 0.01))
+    with bench.CpuLoad() as short:
+        short.cores = 2
+    assert short.other_share == 0.0 and short.slack_s == pytest.approx(0.1)
+    with bench.CpuLoad() as long:
+        long.cores = 2
+    # 6 s of other work in 10 s of 2 cores: 30%, less the 0.1 s the rounding can add
+    assert long.other_share == pytest.approx((6.0 - 0.1) / 20)
+    assert bench.Noise(cores=2, load_1min=0.0, other_cpu_share=long.other_share, spreads={}, threads=1).busy
