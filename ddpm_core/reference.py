@@ -270,11 +270,11 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
         nb_path = NOTEBOOKS_DIR / f"{notebook}.ipynb"
         figures = declared_figures(nb_path) if nb_path.exists() else []
     prefix = notebook.split("_")[0]  # "03", "03b"
-    # A run made across several commands or sessions may not have reached this notebook: where another run has, that
-    # one is shown and each run that has not gets one line after it, not a heading with nothing under it.
+    # A run made across several commands or sessions may not have reached this notebook: each run that has gets its
+    # heading and block, and each that has not one line after them, not a heading with nothing under it.
     gaps = {folder: _not_reached(folder, notebook) for folder in runs}
     reached = [f for f in runs if gaps[f] is None]
-    for folder in reached or runs:
+    for folder in reached:
         m = meta(folder)
         ref_label = label(folder)
         mode = " in smoke mode (a stand-in made without a GPU)" if m.get("mode") == "smoke" else ""
@@ -285,9 +285,6 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
             f"committed in `data/reference/{folder.name}/`."
             + (f" This notebook ran for **{secs / 60:.1f} min** there{mode or ' in full mode'}."
                if (secs := notebook_seconds(folder, notebook)) is not None else "")))
-        if gaps[folder] is not None:
-            display(Markdown(f"That run {gaps[folder]}. Nothing below comes from it for this notebook."))
-            continue
         rows = results(folder, notebook)
         if len(rows):
             display(_result_table(rows))
@@ -324,11 +321,12 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
             if path.exists():
                 display(Markdown(f"`{fig_name}` from the reference run:"))
                 display(Image(filename=str(path)))
-    if reached:
-        for folder in runs:
-            if gaps[folder] is not None:
-                display(Markdown(f"The reference run on {device_words(meta(folder), folder)} "
-                                 f"(`data/reference/{folder.name}/`) {gaps[folder]}."))
+    for folder in runs:
+        if gaps[folder] is not None:
+            display(Markdown(f"The reference run on {device_words(meta(folder), folder)} "
+                             f"(`data/reference/{folder.name}/`) {gaps[folder]}"
+                             + (": its GPU numbers for this notebook will appear here once it has." if
+                                gaps[folder].startswith("has not") else ": nothing here comes from it.")))
     return True
 
 

@@ -590,6 +590,7 @@ def test_a_reference_that_has_not_reached_a_notebook_says_so_and_shows_nothing_f
     assert reference.show("03_batch_size", figures=[]) is True
     text = " ".join(map(str, shown))
     assert "has not reached this notebook yet (parts done: meta, nb-02)" in text and "eager" not in text
+    assert "### On" not in text  # no heading with nothing under it
     shown.clear()
     reference.show("02_profile_the_baseline", figures=[])
     text = " ".join(map(str, shown))
@@ -599,7 +600,8 @@ def test_a_reference_that_has_not_reached_a_notebook_says_so_and_shows_nothing_f
     (folder / "parts.json").write_text(json.dumps({**parts, "nb-08": {"status": "skipped", "reason": "1 GPU here"}}))
     shown.clear()
     reference.show("08_multi_gpu", figures=[])
-    assert "That run left this notebook out: 1 GPU here." in " ".join(map(str, shown))
+    assert ("The reference run on NVIDIA H100 80GB HBM3 (`data/reference/h100-80gb-hbm3/`) left this notebook out: "
+            "1 GPU here: nothing here comes from it.") in " ".join(map(str, shown))
     assert "nb-08 skipped: 1 GPU here." in reference.status_markdown(tmp_path)
     # a second GPU's run that has reached notebook 03: its block is shown, and the H100's gets one line after it
     h200 = tmp_path / "h200"
@@ -616,11 +618,12 @@ def test_a_reference_that_has_not_reached_a_notebook_says_so_and_shows_nothing_f
     assert len(headings) == 1 and headings[0].startswith("### On NVIDIA H200 (reference run")
     assert "batch 128" in " ".join(text) and "ran for **3.0 min**" in " ".join(text)
     assert text[-1] == ("The reference run on NVIDIA H100 80GB HBM3 (`data/reference/h100-80gb-hbm3/`) has not reached "
-                        "this notebook yet (parts done: meta, nb-02).")
-    shown.clear()  # where neither has, each says so under its heading, as before
+                        "this notebook yet (parts done: meta, nb-02): its GPU numbers for this notebook will appear here "
+                        "once it has.")
+    shown.clear()  # where neither has, a line each, and no heading
     reference.show("05_sdpa_attention", figures=[])
-    assert sum(str(x).startswith("### On ") for x in shown) == 2
-    assert sum("That run has not reached this notebook yet" in str(x) for x in shown) == 2
+    assert not any(str(x).startswith("### On ") for x in shown)
+    assert sum("has not reached this notebook yet" in str(x) for x in shown) == 2
 
 
 def test_an_interrupted_part_is_recorded_and_packed_before_the_interrupt_goes_on(tmp_path, monkeypatch):
