@@ -81,6 +81,16 @@ def requirements(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
     return list(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
 
 
+def build_requirements(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
+    """What building the project needs (``[build-system] requires``: a recent enough setuptools)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        from pip._vendor import tomli as tomllib
+
+    return list(tomllib.loads(pyproject.read_text())["build-system"]["requires"])
+
+
 def _requirement_class():
     try:
         from packaging.requirements import Requirement
@@ -122,7 +132,7 @@ def plan(repo: Path = REPO_ROOT) -> list[list[str]]:
             steps.append(["install", "-q", *extra])
     # the series itself, editable and without its requirements (handled above), so torchrun's workers import it;
     # built with the runtime's setuptools where it is recent enough, so nothing more is downloaded
-    isolation = [] if missing(["setuptools>=64"]) else ["--no-build-isolation"]
+    isolation = [] if missing(build_requirements(repo / "pyproject.toml")) else ["--no-build-isolation"]
     steps.append(["install", "-q", "--no-deps", *isolation, "-e", str(repo)])
     return steps
 
