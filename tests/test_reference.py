@@ -1040,3 +1040,19 @@ def test_the_readme_says_where_the_committed_figures_come_from():
     text = (series.REPO_ROOT / "README.md").read_text()
     assert block in text, ("README's sentence on where the figures come from is stale. Fix: run "
                            "`python -m ddpm_core.reference readme` (after `unpack`, or after replacing figures).")
+
+
+def test_a_committed_gpu_figure_is_never_replaced_by_a_cpu_one():
+    """`make run` on a CPU rewrites every figure in figures/, 00 and 01 included: the reference GPU run's copies must
+    come back (`git checkout figures/<name>`, or `reference unpack`) before a commit, and the README's sentence would
+    otherwise credit them to the CPU without a word."""
+    figures = series.REPO_ROOT / "figures"
+    copies: dict[str, set[str]] = {}
+    for folder in reference.reference_runs(reference.REFERENCE_DIR):
+        if reference.meta(folder).get("mode") == "full":
+            for png in (folder / "figures").glob("*.png"):
+                copies.setdefault(png.name, set()).add(reference._sha1(png))
+    replaced = [name for name, digests in copies.items()
+                if (figures / name).exists() and reference._sha1(figures / name) not in digests]
+    assert not replaced, (f"figures/ holds other copies of {replaced} than the reference GPU run committed. Fix: "
+                          "git checkout those files (or `python -m ddpm_core.reference unpack` the run again).")
