@@ -519,8 +519,7 @@ def measure(
         (peak_mem, mem_kind), reserved = saved_tensor_bytes(fn, *args, **kwargs), None
     m = _measurement(name, device, batch_size, first_ms, times, peak_mem, mem_kind, reserved, flops, precision)
     # A single measurement has no ratio to withhold, but it can still say it was taken on a busy machine.
-    m.noise = Noise(cores=load.cores, load_1min=load.load_1min, other_cpu_share=load.other_share,
-                    spreads={name or "step": (m.p90_ms - m.p10_ms) / m.median_ms} if iters >= 3 else {})
+    m.noise = load.noise({name or "step": (m.p90_ms - m.p10_ms) / m.median_ms} if iters >= 3 else {})
     if m.noise.noisy:
         m.note = (m.note + " | " if m.note else "") + "NOISY: " + "; ".join(m.noise.reasons)
     return m
@@ -687,6 +686,11 @@ class CpuLoad:
         self.other_share = min(1.0, max(0.0, (other - self.slack_s) / (wall * self.cores)))
         end = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         self.load_1min = max(self.load_start, end)
+
+    def noise(self, spreads: dict[str, float] | None = None) -> "Noise":
+        """This block's load as a ``Noise``, with the variants' ``spreads`` (none: the machine's load alone, for
+        ``Noise.busy`` / ``busy_reasons``)."""
+        return Noise(cores=self.cores, load_1min=self.load_1min, other_cpu_share=self.other_share, spreads=spreads or {})
 
 
 @dataclass
@@ -980,7 +984,7 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
         measurements.append(_measurement(v.name, device, v.batch_size, first[v.name], times[v.name], mem, kind,
                                          reserved, v.flops, v.precision or _precision_of(v.fn)))
     spreads = {m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in measurements}
-    noise = Noise(cores=load.cores, load_1min=load.load_1min, other_cpu_share=load.other_share, spreads=spreads)
+    noise = load.noise(spreads)
     return Comparison(measurements, noise, baseline=baseline, rounds=rounds)
 
 
@@ -1040,7 +1044,7 @@ def compare_in_processes(configs: dict[str, dict[str, Any]], *, batch_size: int,
                          max(reserved) if reserved else None, flops, runs[0]["precision"])
         measurements.append(m)
     spreads = {m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in measurements}
-    noise = Noise(cores=load.cores, load_1min=load.load_1min, other_cpu_share=load.other_share, spreads=spreads)
+    noise = load.noise(spreads)
     return Comparison(measurements, noise, baseline=baseline, rounds=rounds)
 
 

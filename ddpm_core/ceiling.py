@@ -259,7 +259,7 @@ def measure(model: str = "ddpm-cifar10", batch_size: int = 256, precision: str |
     df = df.sort_values("share of conv time", ascending=False, ignore_index=True)
     peak, why = bench.peak_for(dev, precision)
     # Machine load only: the shapes' own spreads are summarized apart (one clause, not one per shape).
-    noise = bench.Noise(cores=load.cores, load_1min=load.load_1min, other_cpu_share=load.other_share, spreads={})
+    noise = load.noise()
     return Ceiling(
         device_name=device_name(dev), label=label(dev), model=model, precision=precision, batch_size=batch_size,
         channels_last=channels_last, shapes=df,

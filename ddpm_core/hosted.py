@@ -71,24 +71,23 @@ def check_url(url: str) -> str:
     return url
 
 
-def requirements(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
-    """The project's runtime requirements, as pyproject.toml declares them."""
+def _pyproject(pyproject: Path) -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10: pip carries the same parser
         from pip._vendor import tomli as tomllib
 
-    return list(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
+    return tomllib.loads(pyproject.read_text())
+
+
+def requirements(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
+    """The project's runtime requirements, as pyproject.toml declares them."""
+    return list(_pyproject(pyproject)["project"]["dependencies"])
 
 
 def build_requirements(pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
     """What building the project needs (``[build-system] requires``: a recent enough setuptools)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:
-        from pip._vendor import tomli as tomllib
-
-    return list(tomllib.loads(pyproject.read_text())["build-system"]["requires"])
+    return list(_pyproject(pyproject)["build-system"]["requires"])
 
 
 def _requirement_class():

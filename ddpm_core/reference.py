@@ -459,16 +459,14 @@ def figure_source(path: Path, root: Path | None = None) -> str | None:
     path = Path(path)
     if not path.is_file():
         return None
-    digest = _sha1(path)
+    digest, rec = _sha1(path), plots.figure_source(path)
     for folder in reference_runs(root):
         m = meta(folder)
         copy = folder / "figures" / path.name
         if m.get("mode") == "full" and copy.is_file() and _sha1(copy) == digest:
-            rec = plots.figure_source(path)
             day = (rec.get("Created") or str(m.get("date", "?")))[:10]
             return (f"the reference run on {device_words(m, folder)} (full mode, torch {m.get('torch_version', '?')}, "
                     f"{day})")
-    rec = plots.figure_source(path)
     if not rec.get("Source"):
         return None
     return f"a {rec.get('Mode', '?')}-mode run on {rec['Source']} ({rec.get('Created', '?')[:10]})"
