@@ -197,6 +197,8 @@ def apply_memory_cap(device: torch.device | str) -> float | None:
     device = torch.device(device)
     if memory_cap_gib() is None or device.type != "cuda":
         return None
+    if device.index is None:  # set_per_process_memory_fraction wants an index: plain "cuda" is the current GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     usable = gpu_memory_gib(device)
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     torch.cuda.set_per_process_memory_fraction(usable / total, device)

@@ -489,6 +489,15 @@ def test_the_gpu_memory_cap_is_read_checked_and_used_for_sizing(monkeypatch):
     monkeypatch.setenv(env.MEMORY_CAP_ENV, "16")
     assert env.gpu_memory_gib("cuda") == 16 and TrainConfig.fast(device="cuda").batch_size == 256
     assert env.apply_memory_cap("cpu") is None
+    # env.show applies the cap to plain "cuda": the allocator call wants a device index (the H200 run of 2026-11-28
+    # crashed here), so the fake checks its argument the way torch.cuda.set_per_process_memory_fraction does
+    from torch.cuda._utils import _get_device_index
+
+    applied = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device=None: applied.append((fraction, _get_device_index(device))))
+    assert env.apply_memory_cap("cuda") == 16 and applied == [(0.2, 0)]
     for bad in ("sixteen", "0", "-4", "inf"):
         monkeypatch.setenv(env.MEMORY_CAP_ENV, bad)
         with pytest.raises(ValueError, match="DDPM_GPU_MEMORY_GB=.*e.g. DDPM_GPU_MEMORY_GB=16"):
