@@ -571,6 +571,13 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
         return id(t), t.numel() * t.element_size()
 
 
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter (a leaf that requires grad) or a view of one, such as the ``weight.t()`` a Linear layer saves for its
+    backward: it shares the parameter's storage, so it is weights, not activations, and costs no memory of its own."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
 def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int | None, str]:
     """Bytes of the tensors one call of ``fn`` saves for its backward pass, and what that is.
 
@@ -580,13 +587,13 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tup
     between forward and backward: that is what a bigger batch, bf16 (half the bytes) or a fused
     attention (no T x T matrix) change. Counted with ``torch.autograd.graph.saved_tensors_hooks``
     during one extra call (a real training step), each storage once; parameters (leaf tensors
-    that require grad) are not activations and are left out. Compiled steps report what their
+    that require grad) and views of them are not activations and are left out. Compiled steps report what their
     compiled graph saves. Returns (None, reason) if the hooks cannot run the step.
     """
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not (t.is_leaf and t.requires_grad):
+        if not is_parameter(t):
             key, nbytes = storage_key(t)
             seen[key] = nbytes
         return t

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .bench import _cuda_times, storage_key
+from .bench import _cuda_times, is_parameter, storage_key
 
 MiB = 2**20
 
@@ -62,7 +62,7 @@ def saved_by_module(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwar
     """Run ``fn(*args)`` (one training step of ``model``) and attribute every tensor saved for
     backward to the innermost module of ``model`` that was running when it was saved.
 
-    Each storage is counted once (where it was first saved); parameters are not activations and
+    Each storage is counted once (where it was first saved); parameters (and views of them) are not activations and
     are left out. Returns one row per saving module: ``module`` (its name in ``model``; "(model)"
     for functional code in the UNet's own forward), ``type`` (its class), ``block`` (the
     top-level block it belongs to, e.g. ``down.1``), ``tensors`` and ``bytes``.
@@ -85,7 +85,7 @@ def saved_by_module(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwar
     counts: dict[nn.Module, list[int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.is_leaf and t.requires_grad:
+        if is_parameter(t):  # a parameter or a view of one (a Linear saves weight.t()): weights, not activations
             return t
         key, nbytes = storage_key(t)
         if key not in seen:

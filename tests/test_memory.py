@@ -104,3 +104,18 @@ def test_the_allocator_timeline_of_a_step_peaks_above_the_fixed_state(tmp_path):
     assert tl["allocated"].max() > fixed
     copy = memory.h2d_copy(x, "cuda", repeats=3)
     assert copy["host memory"].tolist() == ["pageable", "pinned"] and (copy["GB_per_s"] > 0).all()
+
+
+def test_a_linear_layers_saved_weight_view_is_weights_not_activations(tmp_path):
+    """nn.Linear saves weight.t() for its backward: a view sharing the parameter's storage, no memory of its own.
+    Counted as an activation it added the DDPM's 10.8 MiB of time-embedding weights to every measurement, whatever the
+    batch, so the bytes per image measured at batch 2 (03b's estimate of the batch that fits) read 11% high."""
+    lin = torch.nn.Linear(512, 256)
+    x = torch.randn(2, 512)
+    saved, _ = bench.saved_tensor_bytes(lambda: lin(x).sum().backward())
+    assert saved == x.numel() * 4  # the input only
+    assert bench.is_parameter(lin.weight) and bench.is_parameter(lin.weight.t()) and not bench.is_parameter(x[:1])
+    t = build(tiny_config(tmp_path, batch_size=4))
+    x = torch.rand(4, 3, 32, 32) * 2 - 1
+    per_image = [bench.saved_tensor_bytes(t.train_step, x[:b])[0] / b for b in (1, 4)]
+    assert per_image[0] == pytest.approx(per_image[1], rel=1e-3)  # nothing batch-independent left in the count
