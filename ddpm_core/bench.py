@@ -654,10 +654,11 @@ class CpuLoad:
         self._proc = psutil.Process()
         self.cores = psutil.cpu_count() or 1
         self._children = 0  # processes of this run that _own() counted at its last call
+        self._procs0 = self._process_times()
         self._busy0, self._own0 = self._busy(), self._own()
         self._t0 = time.perf_counter()
         self.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-        self.other_share, self.load_1min = 0.0, self.load_start
+        self.other_share, self.load_1min, self.top_others = 0.0, self.load_start, []
         return self
 
     def _busy(self) -> float:
@@ -677,6 +678,28 @@ class CpuLoad:
                 pass
         return own
 
+    def _process_times(self) -> dict[int, tuple[str, float]]:
+        """Every process's name and CPU seconds so far (those this user may read), to name the busiest others."""
+        out = {}
+        for p in self._psutil.process_iter(["name", "cpu_times"]):
+            t = p.info.get("cpu_times")
+            if t is not None:
+                out[p.pid] = (p.info.get("name") or "?", t.user + t.system)
+        return out
+
+    def _top_others(self, wall: float, n: int = 3) -> list[str]:
+        """The ``n`` other processes that used the most CPU over the block, as 'name (pid P) S% of one core'."""
+        mine = {self._proc.pid} | {c.pid for c in self._proc.children(recursive=True)}
+        used = []
+        for pid, (name, t1) in self._process_times().items():
+            if pid in mine:
+                continue
+            t0 = self._procs0.get(pid, (name, 0.0))[1]  # a process born during the block: all of its time
+            if t1 - t0 > 0:
+                used.append((t1 - t0, name, pid))
+        return [f"{name} (pid {pid}) {100 * d / wall:.0f}% of one core"
+                for d, name, pid in sorted(used, reverse=True)[:n] if d > self.tick_s() * 2]
+
     @staticmethod
     def tick_s() -> float:
         try:
@@ -693,11 +716,14 @@ class CpuLoad:
         self.other_share = min(1.0, max(0.0, (other - self.slack_s) / (wall * self.cores)))
         end = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         self.load_1min = max(self.load_start, end)
+        # who, where the share counts as busy: a warning that names the process can be checked (and acted on)
+        self.top_others = self._top_others(wall) if self.other_share > NOISY_OTHER_CPU else []
 
     def noise(self, spreads: dict[str, float] | None = None) -> "Noise":
         """This block's load as a ``Noise``, with the variants' ``spreads`` (none: the machine's load alone, for
         ``Noise.busy`` / ``busy_reasons``)."""
-        return Noise(cores=self.cores, load_1min=self.load_1min, other_cpu_share=self.other_share, spreads=spreads or {})
+        return Noise(cores=self.cores, load_1min=self.load_1min, other_cpu_share=self.other_share, spreads=spreads or {},
+                     top_others=list(self.top_others))
 
 
 @dataclass
@@ -709,6 +735,7 @@ class Noise:
     other_cpu_share: float
     spreads: dict[str, float]  # per variant: (p90 - p10) / median of its repeats
     threads: int = field(default_factory=torch.get_num_threads)
+    top_others: list[str] = field(default_factory=list)  # the busiest other processes, where other_cpu_share was high
 
     @property
     def busy_reasons(self) -> list[str]:
@@ -720,7 +747,8 @@ class Noise:
             out.append(f"the load average was {self.load_1min:.1f} on {self.cores} cores, "
                        f"{self.load_1min - self.threads:.1f} above this run's own {self.threads} threads")
         if self.other_cpu_share > NOISY_OTHER_CPU:
-            out.append(f"other processes used {self.other_cpu_share:.0%} of the CPU while it ran")
+            out.append(f"other processes used {self.other_cpu_share:.0%} of the CPU while it ran"
+                       + (f" (the busiest: {', '.join(self.top_others)})" if self.top_others else ""))
         return out
 
     @property

@@ -400,6 +400,8 @@ def test_compare_flags_a_cpu_burning_neighbour_instead_of_stating_a_speedup(tmp_
     report = c.report()
     assert "Too noisy to compare" in report and "x the throughput" not in report
     assert "noisy" in list(c.table()["speedup"])[1]
+    # the warning names the busiest other processes (the burners, or the suite's notebooks beside them), never this one
+    assert "(the busiest: " in report and f"(pid {os.getpid()})" not in report, report
 
 
 def test_saved_for_backward_grows_with_the_batch_and_shrinks_with_fused_attention(tmp_path):
