@@ -827,6 +827,13 @@ def table_figure(df, *, label: str | None = None, title: str = "Summary") -> "pl
 
 
 # ------------------------------------------------------------------------------ memory (notebook 03b)
+def _count_axis(axis) -> None:
+    """At most about five ticks, with thousands separators: four five-digit counts side by side ran together into
+    '10000125001500017500' under 03b's bars of the paper's model on the H200."""
+    axis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]))
+    axis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
+
+
 def memory_bars(df, *, value: str, name: str, label: str | None = None, title: str = "", xlabel: str = "MiB",
                 fmt: str = "{:,.1f}") -> "plt.Figure":
     """Horizontal bars of ``df[value]`` named by ``df[name]``, largest first (memory by kind, by block)."""
@@ -838,6 +845,7 @@ def memory_bars(df, *, value: str, name: str, label: str | None = None, title: s
     _label_bars(ax, bars, fmt)
     ax.set_xlabel(xlabel)
     ax.margins(x=0.15)
+    _count_axis(ax.xaxis)
     _title(ax, title, label)
     fig.tight_layout()
     return fig
@@ -858,6 +866,7 @@ def memory_budget(rows, *, label: str | None = None, title: str = "") -> "plt.Fi
     ax.set_yticks(list(y), rows["config"].astype(str))
     ax.invert_yaxis()
     ax.set_xlabel("MiB")
+    _count_axis(ax.xaxis)
     ax.margins(x=0.2)
     legend_below(ax, ncol=1, fontsize=8)
     _title(ax, title, label)

@@ -219,7 +219,7 @@ def test_a_log_axis_over_one_to_two_decades_labels_2_and_5_not_3_and_4_side_by_s
         plots.plain_log_ticks(fig)
         fig.canvas.draw()
         labels = [t.get_text() for t in ax.get_yticklabels(minor=True) if t.get_text()]
-        plt.close(fig)
+        plots.plt.close(fig)
         return labels
 
     wide = minor_labels(0.28, 22)  # 05's memory panel: it read "4/3" and "0.4/0.3"
@@ -466,3 +466,24 @@ def test_a_png_records_the_device_the_mode_and_the_date_it_was_made_with(figures
     assert (rec["Source"], rec["Mode"]) == ("reference: GPU X", "full")
     fig.savefig(figures / "bare.png")  # a PNG written without savefig records nothing
     assert plots.figure_source(figures / "bare.png") == {} and plots.figure_source(figures / "nothing.png") == {}
+
+
+def test_memory_bar_ticks_do_not_run_together():
+    """03b's saved-bytes bars of the paper's model on the H200 (up to 16,719 KiB per image) printed their x ticks
+    as '10000125001500017500': at most about five ticks, with thousands separators, none overlapping."""
+    import pandas as pd
+
+    df = pd.DataFrame({"kind": ["convolution inputs", "GroupNorm", "attention", "dropout"],
+                       "KiB_per_image": [16718.5, 13164.8, 5169.0, 1068.0]})
+    budget = pd.DataFrame({"config": ["no checkpointing", "checkpointing"], "fixed_MiB": [681.8, 681.8],
+                           "saved_MiB": [36000.0, 9000.0]})
+    for fig in (plots.memory_bars(df, value="KiB_per_image", name="kind", xlabel="KiB per image"),
+                plots.memory_budget(budget)):
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        ticks = [t for t in ax.get_xticklabels() if t.get_text() and t.get_visible()]
+        boxes = [t.get_window_extent() for t in ticks]
+        assert 2 <= len(ticks) <= 7, [t.get_text() for t in ticks]
+        assert all(not a.overlaps(b) for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in ticks]
+        assert any("," in t.get_text() for t in ticks), [t.get_text() for t in ticks]
+        plots.plt.close(fig)
