@@ -296,8 +296,9 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
                 continue
             stem = f"{prefix}_reference_{name.replace('/', '_')}"
             display(Markdown(f"**Trace `{name}`** ({'GPU' if rep.has_gpu else 'CPU only'}, ranks {rep.ranks})"))
-            if rep.has_gpu:
-                temporal, kinds = rep.table("temporal"), rep.table("kernels")
+            if rep.has_gpu:  # kernels by what they do (HTA's own types only split computation from memory)
+                temporal = rep.table("temporal")
+                kinds = rep.kernel_kinds if rep.kernel_kinds is not None else rep.table("kernels")
                 for what in ("idle", "launch_summary"):
                     df = rep.table(what)
                     if df is not None:
@@ -313,7 +314,7 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
                 plots.plt.show()
             if kinds is not None and len(kinds):
                 fig = plots.kernel_breakdown(kinds, label=ref_label, title=f"{name}: " + (
-                    "GPU kernel time by type (HTA)" if rep.has_gpu else "CPU operator self time by kind"))
+                    "GPU kernel time by kind (HTA's per-kernel sums)" if rep.has_gpu else "CPU operator self time by kind"))
                 plots.savefig(fig, f"{stem}_kernels.png", source=ref_label, mode=m.get("mode"))
                 plots.plt.show()
         for fig_name in figures:

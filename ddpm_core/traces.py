@@ -47,6 +47,7 @@ class TraceReport:
     temporal: pd.DataFrame | None = None  # per rank: idle / compute / non-compute time and shares
     kernels: pd.DataFrame | None = None  # kernel type (COMPUTATION / COMMUNICATION / MEMORY) shares
     top_kernels: pd.DataFrame | None = None  # the most time-consuming kernels per rank
+    kernel_kinds: pd.DataFrame | None = None  # GPU kernel time by what the kernels do (see kernel_kinds)
     idle: pd.DataFrame | None = None  # host wait / kernel wait / other wait per rank and stream
     launch: pd.DataFrame | None = None  # per kernel launch: CPU duration, GPU duration, launch delay
     launch_summary: pd.DataFrame | None = None  # per rank: launch cost vs kernel time vs queueing (see launch_summary)
@@ -101,6 +102,7 @@ def cpu_names(df: pd.DataFrame | None) -> pd.DataFrame | None:
 
 
 _NOTE_KEYS = {"temporal": "temporal", "kernels": "kernel breakdown", "top_kernels": "kernel breakdown",
+              "kernel_kinds": "kernel breakdown",
               "idle": "idle time", "launch": "launch", "launch_summary": "launch", "overlap": "overlap",
               "memory_bw": "memory bandwidth"}
 
@@ -220,6 +222,39 @@ def _category(name: str) -> str:
 
 def _is_compute(name: str) -> bool:
     return bool(set(_words(name)) & _COMPUTE_WORDS)
+
+
+# What a GPU kernel does, from its name; the first pattern that matches wins (a cuDNN attention kernel is attention,
+# a Triton kernel fused around a convolution is Triton's, a copy inside an elementwise template is a copy).
+KERNEL_KINDS = [
+    ("attention", r"sdpa|flash|fmha|attention|mem_eff|softmax"),
+    ("fused elementwise / norm (Triton)", r"^triton_"),
+    ("optimizer", r"multi_tensor_apply|fused_adam|adam"),
+    ("copies and layout changes", r"direct_copy|copy_kernel|CatArray|nchwToNhwc|nhwcToNchw|^Memcpy DtoD"),
+    ("convolution (cuDNN)", r"fprop|dgrad|wgrad|implicit_gemm|implicit_convolve|cudnn|conv|fft|cf32"),  # cf32: FFT
+    ("matmul (cuBLAS)", r"gemm|nvjet|cutlass|cublas|splitKreduce"),
+    ("normalization (eager)", r"norm|welford|RowwiseMoments|FusedParams|InternalGradients|GammaBeta"),
+    ("elementwise / reduce (eager)", r"elementwise|reduce|vectorized|unrolled|dropout|upsample"),
+    ("memset / memcpy", r"^Memset|^Memcpy"),
+]
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel (``KERNEL_KINDS``), or "other"."""
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def kernel_kinds(per_kernel: pd.DataFrame) -> pd.DataFrame:
+    """GPU kernel time grouped by what the kernels do: convolutions, attention, Triton's fused kernels, copies and
+    layout changes, the optimizer, ... from HTA's per-kernel sums (``get_gpu_kernel_breakdown`` with every kernel
+    kept), all ranks together. HTA's own kernel types split only computation, communication and memory (a layout
+    copy counts as computation there). Same columns as ``op_categories`` (kernel_type, sum, percentage), so the same
+    chart draws both."""
+    df = per_kernel[per_kernel["name"] != "others"]
+    out = (df.assign(kernel_type=df["name"].map(kernel_kind)).groupby("kernel_type", as_index=False)["sum (us)"].sum()
+           .rename(columns={"sum (us)": "sum"}))
+    out["percentage"] = (100 * out["sum"] / out["sum"].sum()).round(1)
+    return out.sort_values("sum", ascending=False, ignore_index=True)
 
 
 def op_categories(cpu_ops: pd.DataFrame) -> pd.DataFrame:
@@ -363,6 +398,10 @@ def _run_hta(report: TraceReport) -> None:
     kernels = attempt("kernel breakdown", lambda: hta.get_gpu_kernel_breakdown(visualize=False, num_kernels=10))
     if kernels is not None:
         report.kernels, report.top_kernels = kernels
+    every = attempt("kernel breakdown (every kernel)", lambda: hta.get_gpu_kernel_breakdown(
+        visualize=False, num_kernels=1_000_000, duration_ratio=1.0)[1])  # none folded into "others"
+    if every is not None:
+        report.kernel_kinds = kernel_kinds(every)
     idle = attempt("idle time breakdown", lambda: hta.get_idle_time_breakdown(ranks=ranks, visualize=False))
     if idle is not None:
         report.idle = idle[0]
