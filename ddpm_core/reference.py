@@ -86,7 +86,7 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
     "nb-07": ["07"],  # ~3.5 min: 07 compiles its step
     "nb-08": ["08"],  # ~3.5 min on one GPU: DDP in gloo CPU processes (torchrun launches)
     "nb-09": ["09"],  # ~5 min: ten stages, the last two compiled
-    "nb-09b": ["09b"],  # ~6.5 min: the peers (their wheels: scripts/gpu_wheels.sh), two compiles, the ceiling, a profile, the quality runs
+    "nb-09b": ["09b"],  # ~8 min: the peers (their wheels: scripts/gpu_wheels.sh), four compiles, the ceiling, two profiles, the quality runs
     "nb-10": ["10"],  # ~5 min: 10 trainings of 100 fp32 steps
 }
 # The gpu tests in two parts: on the H100 (2026-11-26) one cold reduce-overhead compile of the tiny model took 55 s
@@ -115,7 +115,7 @@ NEXT = "next"  # a --parts word: every part of PRIORITY the folder has not done,
 # (parts.json) is estimated by the longest such measurement instead (part_estimate_s).
 PART_ESTIMATE_S = {"meta": 1, "gpu-tests": 150, "gpu-tests-slow": 240, "gpu-tests-autotune": 300, "nb-00-01": 507,
                    "nb-02": 270, "nb-03": 300, "nb-03b": 120, "nb-04": 390, "nb-05-06": 330, "nb-07": 210, "nb-08": 210,
-                   "nb-09": 300, "nb-09b": 400, "nb-10": 300, "pack": 10}
+                   "nb-09": 300, "nb-09b": 480, "nb-10": 300, "pack": 10}
 # When a full run must end, in seconds since the epoch (scripts/gpu_call.sh sets it from its deadline): a part whose
 # estimate does not fit the time left is not started, and a shorter one after it may be. A part cut off by the deadline
 # is lost work (it is redone from its start), so on a machine lent for minutes, starting one that cannot end wastes them.

@@ -351,10 +351,10 @@ def test_a_run_with_a_deadline_starts_no_part_that_cannot_end_before_it(tmp_path
     reference.run(out, smoke=False, parts=["next"])
     status = json.loads((out / "parts.json").read_text())
     done = [p for p in reference.PARTS if status.get(p, {}).get("status") == "done"]
-    # meta (0 s here) + gpu-tests (150) + nb-09 (300) leave 250 s: 09b (400) does not fit, nor 02-05-06, 03b (200) does
+    # meta (0 s here) + gpu-tests (150) + nb-09 (300) leave 250 s: 09b (480) does not fit, nor 02-05-06, 03b (200) does
     assert done == ["meta", "gpu-tests", "nb-03b", "nb-09"] and status["nb-08"]["status"] == "skipped"
     text = capsys.readouterr().out
-    assert "[nb-09b] not started: it takes about 400 s (estimated from the code) and 250 s are left" in text
+    assert "[nb-09b] not started: it takes about 480 s (estimated from the code) and 250 s are left" in text
     assert "not started for lack of time: nb-09b nb-02 nb-03 nb-04 nb-05-06 nb-07 nb-10 gpu-tests-slow nb-00-01 " \
            "gpu-tests-autotune" in text
     assert "nb-09b" not in status  # nothing recorded: it is simply still to do
