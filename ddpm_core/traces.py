@@ -53,6 +53,7 @@ class TraceReport:
     launch_summary: pd.DataFrame | None = None  # per rank: launch cost vs kernel time vs queueing (see launch_summary)
     overlap: pd.DataFrame | None = None  # comm/comp overlap per rank (multi-rank runs)
     memory_bw: pd.DataFrame | None = None  # memcpy / memset bandwidth summary
+    graph_kernels: dict[int, int] = field(default_factory=dict)  # per rank: kernels launched by cudaGraphLaunch
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -305,6 +306,17 @@ def _cpu_temporal(traces: dict[int, dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _graph_kernels(traces: dict[int, dict]) -> dict[int, int]:
+    """Per rank, the kernels that ran inside CUDA graphs: one cudaGraphLaunch launches them all, so HTA's launch
+    statistics (cudaLaunchKernel calls) leave them out."""
+    out = {}
+    for rank, trace in traces.items():
+        evs = trace["traceEvents"]
+        graph = {e["args"]["correlation"] for e in evs if e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
+        out[rank] = sum(1 for e in evs if e.get("cat") == "kernel" and e.get("args", {}).get("correlation") in graph)
+    return out
+
+
 def _has_gpu_kernels(traces: dict[int, dict]) -> bool:
     return any(e.get("cat") == "kernel" for t in traces.values() for e in t["traceEvents"])
 
@@ -318,7 +330,8 @@ def analyze(trace_dir: str | Path, verbose: bool = True) -> TraceReport:
     trace_dir = Path(trace_dir).resolve()  # HTA puts /tmp/trace in front of any relative path
     files, traces = _rank_map(trace_dir)
     report = TraceReport(trace_dir=trace_dir, trace_files=files, has_gpu=_has_gpu_kernels(traces),
-                         cpu_ops=_cpu_op_breakdown(traces), cpu_temporal=_cpu_temporal(traces))
+                         cpu_ops=_cpu_op_breakdown(traces), cpu_temporal=_cpu_temporal(traces),
+                         graph_kernels=_graph_kernels(traces))
     unmarked = [r for r, t in traces.items()
                 if not any(str(e.get("name", "")).startswith("ProfilerStep#") for e in t["traceEvents"])]
     if unmarked:
@@ -410,6 +423,9 @@ def _run_hta(report: TraceReport) -> None:
         report.launch = pd.concat([df.assign(rank=r) for r, df in launch.items()], ignore_index=True) if launch else None
     if report.launch is not None:
         report.launch_summary = launch_summary(report.launch)
+        if any(report.graph_kernels.values()):  # the table covers kernels launched one by one: say how many it cannot
+            report.launch_summary["kernels in CUDA graphs (not in this table)"] = (
+                report.launch_summary["rank"].map(report.graph_kernels).fillna(0).astype(int))
     if len(ranks) > 1:
         report.overlap = attempt("comm/comp overlap", lambda: hta.get_comm_comp_overlap(visualize=False))
     else:

@@ -480,3 +480,14 @@ def test_kernel_kinds_say_where_the_h200_fast_step_goes():
              "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>": "optimizer",
              "Memset (Device)": "memset / memcpy"}
     assert {n: traces.kernel_kind(n) for n in names} == names
+
+
+def test_the_launch_table_says_how_many_kernels_ran_inside_cuda_graphs():
+    """HTA's launch statistics count cudaLaunchKernel calls: in the H200's CUDA-graph step they covered 52 kernels and
+    left out the ~3,000 that one cudaGraphLaunch per step ran, which made the step look launch-bound beside 5% idle."""
+    final = Path(__file__).resolve().parents[1] / "data/reference/h200/traces/09_putting_it_together/final"
+    summary = traces.analyze(final, verbose=False).launch_summary
+    assert summary["kernels in CUDA graphs (not in this table)"].iloc[0] > 10 * summary["kernels"].iloc[0]
+    baseline = final.with_name("baseline")  # eager: every kernel launched one by one
+    rep = traces.analyze(baseline, verbose=False)
+    assert rep.graph_kernels == {0: 0} and "kernels in CUDA graphs (not in this table)" not in rep.launch_summary
