@@ -414,6 +414,25 @@ def stages_markdown(folder: Path) -> str:
             + "\n".join(lines) + "\n\n" + " ".join(n for n in notes if n))
 
 
+def last_stage_trace_markdown(folder: Path) -> str:
+    """Where the GPU time of 09's last stage goes, from its committed trace: GPU idle (HTA's temporal breakdown) and
+    kernel time by kind (``traces.kernel_kinds``); "" where the trace is not committed or holds no GPU kernels."""
+    from . import traces as tr
+
+    run = Path(folder) / "traces" / STAGES_NOTEBOOK / "final"
+    if not run.is_dir():
+        return ""
+    rep = tr.analyze(run, verbose=False)
+    if not rep.has_gpu or rep.kernel_kinds is None:
+        return ""
+    kinds = rep.kernel_kinds[rep.kernel_kinds["percentage"] >= 1]
+    idle = (f"the GPU idle {float(rep.temporal['idle_time_pctg'].mean()):.1f}% of the profiled steps; "
+            if rep.temporal is not None and len(rep.temporal) else "")
+    return (f"Where the last stage's GPU time goes (its committed trace, `traces/{STAGES_NOTEBOOK}/final`, read with HTA): "
+            + idle + "of the kernel time, " + ", ".join(f"{k} {p:.1f}%" for k, p in zip(kinds["kernel_type"], kinds["percentage"]))
+            + ".")
+
+
 def status_markdown(root: Path | None = None) -> str:
     """Where each committed reference run stands, as the README shows it: one table per run, a row per part
     (status and wall time from parts.json), written by ``python -m ddpm_core.reference status``."""
@@ -444,6 +463,8 @@ def status_markdown(root: Path | None = None) -> str:
             lines += ["", f"{name.split('_')[0]} printed: *{line}*"]
         if stages := stages_markdown(folder):
             lines += ["", stages]
+        if where := last_stage_trace_markdown(folder):
+            lines += ["", where]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

@@ -1056,3 +1056,14 @@ def test_a_committed_gpu_figure_is_never_replaced_by_a_cpu_one():
                 if (figures / name).exists() and reference._sha1(figures / name) not in digests]
     assert not replaced, (f"figures/ holds other copies of {replaced} than the reference GPU run committed. Fix: "
                           "git checkout those files (or `python -m ddpm_core.reference unpack` the run again).")
+
+
+def test_the_readme_says_where_the_last_stage_gpu_time_goes_from_the_committed_trace(tmp_path):
+    """The README's status block ends with 09's last stage read from its committed H200 trace (kernel kinds, idle);
+    a reference without that trace adds nothing."""
+    from ddpm_core import reference
+
+    line = reference.last_stage_trace_markdown(reference.REFERENCE_DIR / "h200")
+    assert "copies and layout changes" in line and "convolution (cuDNN)" in line and "idle" in line
+    assert line in (reference.REPO_ROOT / "README.md").read_text()
+    assert reference.last_stage_trace_markdown(tmp_path) == ""
