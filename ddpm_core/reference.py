@@ -433,6 +433,27 @@ def last_stage_trace_markdown(folder: Path) -> str:
             + ".")
 
 
+def changed_since_run(root: Path | None = None) -> list[str]:
+    """Done notebook parts whose notebooks changed in git since the commit the part ran at: their executed copies in the
+    reference show older text, and a session with device time to spare can redo them (``FORCE=1 gpu_call.sh PART``). Where git
+    or the commit is not available (a shallow clone), nothing is said."""
+    import subprocess
+
+    out = []
+    for folder in reference_runs(root):
+        status = json.loads((folder / "parts.json").read_text()) if (folder / "parts.json").exists() else {}
+        for part, v in status.items():
+            if not (isinstance(v, dict) and v.get("status") == "done" and v.get("git_commit") and v.get("notebooks")):
+                continue
+            paths = [f"notebooks/{nb}.ipynb" for nb in v["notebooks"]]
+            diff = subprocess.run(["git", "diff", "--quiet", str(v["git_commit"]), "HEAD", "--", *paths], cwd=REPO_ROOT,
+                                  capture_output=True)
+            if diff.returncode == 1:  # 0: unchanged; above 1: git could not tell (no such commit here)
+                out.append(f"{folder.name}: {part} ran at `{str(v['git_commit'])[:7]}`; {', '.join(paths)} changed since "
+                           f"(redo it with `FORCE=1 bash scripts/gpu_call.sh --detach {part}` when device time allows)")
+    return out
+
+
 def status_markdown(root: Path | None = None) -> str:
     """Where each committed reference run stands, as the README shows it: one table per run, a row per part
     (status and wall time from parts.json), written by ``python -m ddpm_core.reference status``."""
@@ -1336,6 +1357,8 @@ def main(argv: list[str] | None = None) -> int:
                 keep_going=args.keep_going, archive_to=Path(args.archive_to) if args.archive_to else None, jobs=args.jobs)
         elif args.cmd == "status":
             print(status_markdown())
+            for line in changed_since_run():
+                print(line)
         elif args.cmd == "readme":
             from .atomic import atomic_write_text
 

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_call.sh meta gpu-tests nb-00-01     # full mode: these parts, resumable, past a failed one
 #   bash scripts/gpu_call.sh next                        # the parts not done yet, most needed first (reference.PRIORITY)
 #   bash scripts/gpu_call.sh --shakedown                 # every notebook in smoke mode on the GPU, past failures
+#   FORCE=1 bash scripts/gpu_call.sh nb-09               # redo a part already done (its notebook changed since)
 #
 # It installs the wheels into /tmp/site, runs the parts under a deadline (DEADLINE_S, default 560 s: a device
 # command is stopped at 600 s), and after EVERY part packs into $OUT what this command added to the reference
@@ -130,7 +131,8 @@ if [ "${1:-}" = "--shakedown" ]; then
 else
   # the run starts no part whose expected time (reference.part_estimate_s) no longer fits: 20 s are kept for packing
   export DDPM_RUN_DEADLINE=$(( $(date +%s) + left - 20 ))
-  timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --full --keep-going --archive-to "$OUT" --parts "$@" 2>&1 \
+  # FORCE=1 redoes named parts already done (a notebook changed since it ran: `python -m ddpm_core.reference status`)
+  timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --full --keep-going ${FORCE:+--force} --archive-to "$OUT" --parts "$@" 2>&1 \
     | tee "$OUT/run.log"
   rc=${PIPESTATUS[0]}
 fi

@@ -1067,3 +1067,18 @@ def test_the_readme_says_where_the_last_stage_gpu_time_goes_from_the_committed_t
     assert "copies and layout changes" in line and "convolution (cuDNN)" in line and "idle" in line
     assert line in (reference.REPO_ROOT / "README.md").read_text()
     assert reference.last_stage_trace_markdown(tmp_path) == ""
+
+
+def test_status_names_done_parts_whose_notebooks_changed_since_they_ran():
+    """The H200's nb-09 and nb-03b ran at 12a70f1; both notebooks changed after reading their output, so their
+    executed copies show older text: `reference status` says so, with the command that redoes them."""
+    import subprocess
+
+    from ddpm_core import reference
+
+    if subprocess.run(["git", "cat-file", "-e", "12a70f1^{commit}"], cwd=reference.REPO_ROOT).returncode != 0:
+        pytest.skip("a shallow clone: the commit the H200 parts ran at is not here")
+    lines = reference.changed_since_run()
+    assert any(line.startswith("h200: nb-09 ran at `12a70f1`") and "FORCE=1 bash scripts/gpu_call.sh --detach nb-09" in line
+               for line in lines), lines
+    assert not any(": meta " in line for line in lines)  # a part without notebooks is never named
