@@ -1107,7 +1107,7 @@ def same_step_note(earlier: Measurement, now_ms: float, *, where: str, tolerance
     gap = abs(now_ms / earlier.median_ms - 1)
     if gap <= tolerance:
         return ""
-    return (f"({where} timed the same step at {earlier.median_ms:.0f} ms (p10-p90 {earlier.p10_ms:.0f}-{earlier.p90_ms:.0f}), "
+    return (f"({where} timed the same step at {earlier.median_ms:.0f} ms, p10-p90 {earlier.p10_ms:.0f}-{earlier.p90_ms:.0f}; "
             f"this cell at {now_ms:.0f} ms: {gap:.0%} apart. Whatever changed on the machine or in this process in "
             "between is in that gap, which is why only pairs measured side by side, in one cell, are compared.)")
 
