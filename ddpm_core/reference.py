@@ -433,24 +433,50 @@ def last_stage_trace_markdown(folder: Path) -> str:
             + ".")
 
 
-def changed_since_run(root: Path | None = None) -> list[str]:
-    """Done notebook parts whose notebooks changed in git since the commit the part ran at: their executed copies in the
-    reference show older text, and a session with device time to spare can redo them (``FORCE=1 gpu_call.sh PART``). Where git
-    or the commit is not available (a shallow clone), nothing is said."""
-    import subprocess
+def notebook_sha1(name: str) -> str | None:
+    """The sha1 of notebook ``name``'s file as it is now (None where there is no such notebook)."""
+    from .series import NOTEBOOKS_DIR
 
+    path = NOTEBOOKS_DIR / f"{name}.ipynb"
+    return hashlib.sha1(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def stale_parts(status: dict) -> list[str]:
+    """Done notebook parts whose notebooks changed since they ran: their executed copies show older text.
+
+    A part records the sha1 of each notebook it ran (``notebook_sha1``), which needs no git (the GPU machine's copy of
+    the repo may have none). Parts recorded before that are checked with git against the commit they ran at; where git
+    or that commit is not available, a part is not called stale."""
+    out = []
+    for part, v in status.items():
+        if not (isinstance(v, dict) and v.get("status") == "done" and v.get("notebooks")):
+            continue
+        if isinstance(v.get("notebook_sha1"), dict):
+            if any(notebook_sha1(nb) not in (None, sha) for nb, sha in v["notebook_sha1"].items()):
+                out.append(part)
+            continue
+        if not v.get("git_commit"):
+            continue
+        paths = [f"notebooks/{nb}.ipynb" for nb in v["notebooks"]]
+        diff = subprocess.run(["git", "diff", "--quiet", str(v["git_commit"]), "HEAD", "--", *paths], cwd=REPO_ROOT,
+                              capture_output=True)
+        if diff.returncode == 1:  # 0: unchanged; above 1: git could not tell (no such commit here, or no git)
+            out.append(part)
+    return out
+
+
+def changed_since_run(root: Path | None = None) -> list[str]:
+    """One line per stale part (``stale_parts``) of each committed reference, with the command that redoes it (``next``
+    also redoes them, after every part not run yet)."""
     out = []
     for folder in reference_runs(root):
         status = json.loads((folder / "parts.json").read_text()) if (folder / "parts.json").exists() else {}
-        for part, v in status.items():
-            if not (isinstance(v, dict) and v.get("status") == "done" and v.get("git_commit") and v.get("notebooks")):
-                continue
-            paths = [f"notebooks/{nb}.ipynb" for nb in v["notebooks"]]
-            diff = subprocess.run(["git", "diff", "--quiet", str(v["git_commit"]), "HEAD", "--", *paths], cwd=REPO_ROOT,
-                                  capture_output=True)
-            if diff.returncode == 1:  # 0: unchanged; above 1: git could not tell (no such commit here)
-                out.append(f"{folder.name}: {part} ran at `{str(v['git_commit'])[:7]}`; {', '.join(paths)} changed since "
-                           f"(redo it with `FORCE=1 bash scripts/gpu_call.sh --detach {part}` when device time allows)")
+        for part in stale_parts(status):
+            v = status[part]
+            out.append(f"{folder.name}: {part} ran at `{str(v.get('git_commit') or '?')[:7]}`; "
+                       f"{', '.join(f'notebooks/{nb}.ipynb' for nb in v['notebooks'])} changed since (redo it with "
+                       f"`FORCE=1 bash scripts/gpu_call.sh --detach {part}` when device time allows; `next` redoes it "
+                       "after every part not run yet)")
     return out
 
 
@@ -1182,6 +1208,8 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         # a reference made across sessions: each part says when and from which commit (meta.json has the first part's)
         status[part] = {"status": "done", "seconds": round(seconds, 1), "finished": _now(),
                         "git_commit": os.environ.get("DDPM_GIT_COMMIT") or _git("rev-parse", "HEAD"), **(detail or {})}
+        if (detail or {}).get("notebooks"):  # what ran, so that a later change to a notebook shows (stale_parts)
+            status[part]["notebook_sha1"] = {nb: notebook_sha1(nb) for nb in detail["notebooks"]}
         status_path.write_text(json.dumps(status, indent=1))
         _archive_to(out, archive_to, chain)
         over = " OVER BUDGET" if seconds > PART_BUDGET_S else ""
@@ -1190,8 +1218,15 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     if parts and NEXT in parts:  # the parts not done yet, most needed first (PRIORITY); any named beside it go first
         named = [p for p in parts if p != NEXT]
         parts = named + [p for p in PRIORITY if p not in named and status.get(p, {}).get("status") != "done"]
-        print(f"{NEXT}: {' '.join(parts) or 'nothing: every part is done'}", flush=True)
-    todo = [p for p in parts or PARTS if force or status.get(p, {}).get("status") != "done"]
+        # then the parts done at a notebook that has changed since (their executed copies show older text)
+        redo = [p for p in PRIORITY if p in stale_parts(status) and p not in parts]
+        parts += redo
+        print(f"{NEXT}: {' '.join(parts) or 'nothing: every part is done'}"
+              + (f" ({', '.join(redo)}: done, but {'its notebook has' if len(redo) == 1 else 'their notebooks have'} "
+                 "changed since)" if redo else ""), flush=True)
+    else:
+        redo = []
+    todo = [p for p in parts or PARTS if force or p in redo or status.get(p, {}).get("status") != "done"]
     if "meta" not in todo and not (out / "meta.json").exists():
         # A folder no run has described yet (a GPU that has no reference so far: the next session's may be an H200
         # where the committed one is an H100) is invisible without meta.json: reference_runs() lists, and every

@@ -1082,3 +1082,37 @@ def test_status_names_done_parts_whose_notebooks_changed_since_they_ran():
     assert any(line.startswith("h200: nb-09 ran at `12a70f1`") and "FORCE=1 bash scripts/gpu_call.sh --detach nb-09" in line
                for line in lines), lines
     assert not any(": meta " in line for line in lines)  # a part without notebooks is never named
+
+
+def test_next_redoes_a_done_part_whose_notebook_changed_after_every_part_not_run(tmp_path, monkeypatch, capsys):
+    """A part records the sha1 of each notebook it ran; once every part is done, `next` redoes the parts whose
+    notebooks changed since (their executed copies show older text), and only those. No git needed."""
+    from ddpm_core.series import NOTEBOOKS_DIR
+
+    ran = []
+
+    def fake(out, smoke, prefixes, only, keep_going=False):
+        part = next(p for p, pre in reference.NOTEBOOK_PARTS.items() if pre == prefixes)
+        ran.append(part)
+        names = [nb.stem for nb in sorted(NOTEBOOKS_DIR.glob("*.ipynb")) if nb.stem.split("_")[0] in prefixes]
+        return {"notebooks": {n: 1.0 for n in names}}
+
+    monkeypatch.setattr(reference, "_part_notebooks", fake)
+    monkeypatch.setattr(reference, "_part_gpu_tests", lambda out, smoke, part="gpu-tests": {})
+    monkeypatch.setattr(reference, "_part_meta", lambda out, smoke: (out / "meta.json").write_text(json.dumps(
+        {"device_name": "NVIDIA H200", "mode": "full"})) and None)
+    monkeypatch.setattr(reference, "_skip_reason", lambda part, smoke: None)
+    monkeypatch.delenv(reference.DEADLINE_ENV, raising=False)
+    out = tmp_path / "h200"
+    reference.run(out, smoke=False, parts=["next"])  # every part, once
+    status = json.loads((out / "parts.json").read_text())
+    assert status["nb-09"]["notebook_sha1"] == {"09_putting_it_together": reference.notebook_sha1("09_putting_it_together")}
+    assert reference.stale_parts(status) == []
+    status["nb-09"]["notebook_sha1"]["09_putting_it_together"] = "0" * 40  # as if 09 had changed since it ran
+    (out / "parts.json").write_text(json.dumps(status))
+    ran.clear()
+    capsys.readouterr()
+    reference.run(out, smoke=False, parts=["next"])
+    assert ran == ["nb-09"]
+    assert "next: nb-09 (nb-09: done, but its notebook has changed since)" in capsys.readouterr().out
+    assert reference.stale_parts(json.loads((out / "parts.json").read_text())) == []  # recorded anew
