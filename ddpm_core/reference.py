@@ -438,7 +438,7 @@ def notebook_sha1(name: str) -> str | None:
     from .series import NOTEBOOKS_DIR
 
     path = NOTEBOOKS_DIR / f"{name}.ipynb"
-    return hashlib.sha1(path.read_bytes()).hexdigest() if path.exists() else None
+    return _sha1(path) if path.exists() else None
 
 
 def stale_parts(status: dict) -> list[str]:
@@ -1219,7 +1219,8 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         named = [p for p in parts if p != NEXT]
         parts = named + [p for p in PRIORITY if p not in named and status.get(p, {}).get("status") != "done"]
         # then the parts done at a notebook that has changed since (their executed copies show older text)
-        redo = [p for p in PRIORITY if p in stale_parts(status) and p not in parts]
+        stale = stale_parts(status)  # git diffs for parts recorded before notebook_sha1: once, not per part
+        redo = [p for p in PRIORITY if p in stale and p not in parts]
         parts += redo
         print(f"{NEXT}: {' '.join(parts) or 'nothing: every part is done'}"
               + (f" ({', '.join(redo)}: done, but {'its notebook has' if len(redo) == 1 else 'their notebooks have'} "

@@ -14,13 +14,14 @@ import gzip
 import io
 import json
 import logging
-import os
 import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+
+from .series import temporary_env
 
 GPU_ONLY_NOTICE = (
     "This trace has no GPU kernels (a CPU run), so HTA's GPU analyses - temporal breakdown, "
@@ -46,7 +47,7 @@ class TraceReport:
     cpu_temporal: pd.DataFrame | None = None  # main thread: compute ops / other ops / outside ops, per rank
     temporal: pd.DataFrame | None = None  # per rank: idle / compute / non-compute time and shares
     kernels: pd.DataFrame | None = None  # kernel type (COMPUTATION / COMMUNICATION / MEMORY) shares
-    top_kernels: pd.DataFrame | None = None  # the most time-consuming kernels per rank
+    top_kernels: pd.DataFrame | None = None  # the TOP_KERNELS most time-consuming kernels per rank
     kernel_kinds: pd.DataFrame | None = None  # GPU kernel time by what the kernels do (see kernel_kinds)
     idle: pd.DataFrame | None = None  # host wait / kernel wait / other wait per rank and stream
     launch: pd.DataFrame | None = None  # per kernel launch: CPU duration, GPU duration, launch delay
@@ -102,6 +103,7 @@ def cpu_names(df: pd.DataFrame | None) -> pd.DataFrame | None:
     return df.rename(columns=CPU_NAMES, index=CPU_NAMES)
 
 
+TOP_KERNELS = 10
 _NOTE_KEYS = {"temporal": "temporal", "kernels": "kernel breakdown", "top_kernels": "kernel breakdown",
               "kernel_kinds": "kernel breakdown",
               "idle": "idle time", "launch": "launch", "launch_summary": "launch", "overlap": "overlap",
@@ -363,26 +365,12 @@ def _quiet():
         logging.disable(previous)
 
 
-@contextlib.contextmanager
-def _exact_times():
-    """Parse with HTA's rounding of sub-microsecond times turned off (HTA_DISABLE_NS_ROUNDING=1).
-
-    HTA rounds each event's start up and its end down to whole microseconds. A kernel shorter than that (common in
-    a compiled step on an H100/H200: the final stage of notebook 09 had 25 of them) comes out with a duration of
-    -1 us; the kernel intervals then no longer add up, and the temporal breakdown fails its own assertion
-    (non-compute time >= 0). The idle and launch figures shift too (kernel wait 2.7 ms rounded against 1.0 ms
-    exact in that trace). Kernel times are exact in the trace, so they are read as they are.
-    """
-    name = "HTA_DISABLE_NS_ROUNDING"
-    previous = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
+# HTA rounds each event's start up and its end down to whole microseconds. A kernel shorter than that (common in a
+# compiled step on an H100/H200: the final stage of notebook 09 had 25 of them) comes out with a duration of -1 us;
+# the kernel intervals then no longer add up, and the temporal breakdown fails its own assertion (non-compute time
+# >= 0). The idle and launch figures shift too (kernel wait 2.7 ms rounded against 1.0 ms exact in that trace).
+# Kernel times are exact in the trace, so they are parsed as they are.
+_EXACT_TIMES = {"HTA_DISABLE_NS_ROUNDING": "1"}
 
 
 def _run_hta(report: TraceReport) -> None:
@@ -390,7 +378,7 @@ def _run_hta(report: TraceReport) -> None:
 
     ranks = report.ranks
     try:
-        with _quiet(), _exact_times():
+        with _quiet(), temporary_env(_EXACT_TIMES):
             hta = TraceAnalysis(trace_files={r: str(Path(p).resolve()) for r, p in report.trace_files.items()})
     except Exception as e:  # noqa: BLE001 - a note, not a crash: the report's own tables (cpu_ops, ...) still hold
         # The notebooks read a missing HTA table as "not available" and say so; a raise here would stop the notebook
@@ -408,12 +396,13 @@ def _run_hta(report: TraceReport) -> None:
             return None
 
     report.temporal = attempt("temporal breakdown", lambda: hta.get_temporal_breakdown(visualize=False))
-    kernels = attempt("kernel breakdown", lambda: hta.get_gpu_kernel_breakdown(visualize=False, num_kernels=10))
+    # every kernel kept (none folded into "others"): its kinds need them all, and the top ones are its first rows
+    kernels = attempt("kernel breakdown", lambda: hta.get_gpu_kernel_breakdown(
+        visualize=False, num_kernels=1_000_000, duration_ratio=1.0))
     if kernels is not None:
-        report.kernels, report.top_kernels = kernels
-    every = attempt("kernel breakdown (every kernel)", lambda: hta.get_gpu_kernel_breakdown(
-        visualize=False, num_kernels=1_000_000, duration_ratio=1.0)[1])  # none folded into "others"
-    if every is not None:
+        report.kernels, every = kernels
+        report.top_kernels = (every.sort_values("sum (us)", ascending=False).groupby("rank", group_keys=False)
+                              .head(TOP_KERNELS).reset_index(drop=True))
         report.kernel_kinds = kernel_kinds(every)
     idle = attempt("idle time breakdown", lambda: hta.get_idle_time_breakdown(ranks=ranks, visualize=False))
     if idle is not None:
