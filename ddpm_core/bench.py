@@ -653,7 +653,7 @@ class CpuLoad:
         self._psutil = psutil
         self._proc = psutil.Process()
         self.cores = psutil.cpu_count() or 1
-        self._children = 0  # processes of this run that _own() counted at its last call
+        self._children: dict[int, float] = {}  # the CPU seconds of each child _own() counted at its last call
         self._procs0 = self._process_times()
         self._busy0, self._own0 = self._busy(), self._own()
         self._t0 = time.perf_counter()
@@ -668,12 +668,12 @@ class CpuLoad:
     def _own(self) -> float:
         t = self._proc.cpu_times()
         own = t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
-        self._children = 0
+        self._children = {}
         for child in self._proc.children(recursive=True):  # live workers / ranks of this run
             try:
                 ct = child.cpu_times()
                 own += ct.user + ct.system
-                self._children += 1
+                self._children[child.pid] = ct.user + ct.system
             except self._psutil.Error:
                 pass
         return own
@@ -712,7 +712,10 @@ class CpuLoad:
         children0 = self._children
         other = (self._busy() - self._busy0) - (self._own() - self._own0)
         # a tick per counter read: 6 system-wide, 4 of this process, 2 per child (at the start or the end)
-        self.slack_s = self.tick_s() * (6 + 4 + 2 * max(children0, self._children))
+        # a child whose counters did not move between the two reads adds no rounding (an idle compile worker, a
+        # kernel waiting): only the children that ran, started or ended count
+        moved = sum(1 for pid in children0.keys() | self._children.keys() if children0.get(pid) != self._children.get(pid))
+        self.slack_s = self.tick_s() * (6 + 4 + 2 * moved)
         self.other_share = min(1.0, max(0.0, (other - self.slack_s) / (wall * self.cores)))
         end = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         self.load_1min = max(self.load_start, end)
