@@ -433,35 +433,47 @@ def last_stage_trace_markdown(folder: Path) -> str:
             + ".")
 
 
-def notebook_sha1(name: str) -> str | None:
-    """The sha1 of notebook ``name``'s file as it is now (None where there is no such notebook)."""
+def code_sha1(text: str) -> str:
+    """The sha1 of a notebook's code cells (their sources, in order), from the notebook's JSON text: what decides what
+    a run of it prints. Its markdown is left out, so that a text-only edit does not make a GPU session redo the part."""
+    cells = json.loads(text).get("cells", [])
+    code = [c.get("source", "") for c in cells if c.get("cell_type") == "code"]
+    return hashlib.sha1(json.dumps(["".join(s) if isinstance(s, list) else s for s in code]).encode()).hexdigest()
+
+
+def notebook_code_sha1(name: str) -> str | None:
+    """``code_sha1`` of notebook ``name`` as it is now (None where there is no such notebook)."""
     from .series import NOTEBOOKS_DIR
 
     path = NOTEBOOKS_DIR / f"{name}.ipynb"
-    return _sha1(path) if path.exists() else None
+    return code_sha1(path.read_text()) if path.exists() else None
 
 
 def stale_parts(status: dict) -> list[str]:
-    """Done notebook parts whose notebooks changed since they ran: their executed copies show older text.
+    """Done notebook parts whose notebooks' code cells changed since they ran: their executed copies show what older
+    code printed. A change to the markdown alone does not count (the executed copy then shows the older text around
+    the same outputs), nor does a change to ``ddpm_core``.
 
-    A part records the sha1 of each notebook it ran (``notebook_sha1``), which needs no git (the GPU machine's copy of
-    the repo may have none). Parts recorded before that are checked with git against the commit they ran at; where git
-    or that commit is not available, a part is not called stale."""
+    A part records ``code_sha1`` of each notebook it ran, which needs no git (the GPU machine's copy of the repo may
+    have none). Parts recorded before that are checked with git against the commit they ran at; where git or that
+    commit is not available, a part is not called stale."""
     out = []
     for part, v in status.items():
         if not (isinstance(v, dict) and v.get("status") == "done" and v.get("notebooks")):
             continue
-        if isinstance(v.get("notebook_sha1"), dict):
-            if any(notebook_sha1(nb) not in (None, sha) for nb, sha in v["notebook_sha1"].items()):
+        if isinstance(v.get("code_sha1"), dict):
+            if any(notebook_code_sha1(nb) not in (None, sha) for nb, sha in v["code_sha1"].items()):
                 out.append(part)
             continue
         if not v.get("git_commit"):
             continue
-        paths = [f"notebooks/{nb}.ipynb" for nb in v["notebooks"]]
-        diff = subprocess.run(["git", "diff", "--quiet", str(v["git_commit"]), "HEAD", "--", *paths], cwd=REPO_ROOT,
-                              capture_output=True)
-        if diff.returncode == 1:  # 0: unchanged; above 1: git could not tell (no such commit here, or no git)
-            out.append(part)
+        for nb in v["notebooks"]:
+            then = subprocess.run(["git", "show", f"{v['git_commit']}:notebooks/{nb}.ipynb"], cwd=REPO_ROOT,
+                                  capture_output=True, text=True)
+            now = notebook_code_sha1(nb)
+            if then.returncode == 0 and now is not None and code_sha1(then.stdout) != now:
+                out.append(part)  # no such commit here, or no git: not called stale
+                break
     return out
 
 
@@ -474,7 +486,7 @@ def changed_since_run(root: Path | None = None) -> list[str]:
         for part in stale_parts(status):
             v = status[part]
             out.append(f"{folder.name}: {part} ran at `{str(v.get('git_commit') or '?')[:7]}`; "
-                       f"{', '.join(f'notebooks/{nb}.ipynb' for nb in v['notebooks'])} changed since (redo it with "
+                       f"the code cells of {', '.join(f'notebooks/{nb}.ipynb' for nb in v['notebooks'])} changed since (redo it with "
                        f"`FORCE=1 bash scripts/gpu_call.sh --detach {part}` when device time allows; `next` redoes it "
                        "after every part not run yet)")
     return out
@@ -1208,8 +1220,8 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         # a reference made across sessions: each part says when and from which commit (meta.json has the first part's)
         status[part] = {"status": "done", "seconds": round(seconds, 1), "finished": _now(),
                         "git_commit": os.environ.get("DDPM_GIT_COMMIT") or _git("rev-parse", "HEAD"), **(detail or {})}
-        if (detail or {}).get("notebooks"):  # what ran, so that a later change to a notebook shows (stale_parts)
-            status[part]["notebook_sha1"] = {nb: notebook_sha1(nb) for nb in detail["notebooks"]}
+        if (detail or {}).get("notebooks"):  # what ran, so that a later change to a notebook's code shows (stale_parts)
+            status[part]["code_sha1"] = {nb: notebook_code_sha1(nb) for nb in detail["notebooks"]}
         status_path.write_text(json.dumps(status, indent=1))
         _archive_to(out, archive_to, chain)
         over = " OVER BUDGET" if seconds > PART_BUDGET_S else ""
@@ -1218,13 +1230,13 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     if parts and NEXT in parts:  # the parts not done yet, most needed first (PRIORITY); any named beside it go first
         named = [p for p in parts if p != NEXT]
         parts = named + [p for p in PRIORITY if p not in named and status.get(p, {}).get("status") != "done"]
-        # then the parts done at a notebook that has changed since (their executed copies show older text)
-        stale = stale_parts(status)  # git diffs for parts recorded before notebook_sha1: once, not per part
+        # then the parts done at a notebook whose code cells have changed since (their executed copies show older output)
+        stale = stale_parts(status)  # git reads for parts recorded before code_sha1: once, not per part
         redo = [p for p in PRIORITY if p in stale and p not in parts]
         parts += redo
+        whose = "its notebook's" if len(redo) == 1 else "their notebooks'"
         print(f"{NEXT}: {' '.join(parts) or 'nothing: every part is done'}"
-              + (f" ({', '.join(redo)}: done, but {'its notebook has' if len(redo) == 1 else 'their notebooks have'} "
-                 "changed since)" if redo else ""), flush=True)
+              + (f" ({', '.join(redo)}: done, but {whose} code changed since)" if redo else ""), flush=True)
     else:
         redo = []
     todo = [p for p in parts or PARTS if force or p in redo or status.get(p, {}).get("status") != "done"]

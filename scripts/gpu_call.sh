@@ -5,7 +5,7 @@
 #   bash scripts/gpu_call.sh meta gpu-tests nb-00-01     # full mode: these parts, resumable, past a failed one
 #   bash scripts/gpu_call.sh next                        # the parts not done yet, most needed first (reference.PRIORITY)
 #   bash scripts/gpu_call.sh --shakedown                 # every notebook in smoke mode on the GPU, past failures
-#   FORCE=1 bash scripts/gpu_call.sh nb-09               # redo a part already done (its notebook changed since)
+#   FORCE=1 bash scripts/gpu_call.sh nb-09               # redo a part already done (its notebook's code changed since)
 #
 # It installs the wheels into /tmp/site, runs the parts under a deadline (DEADLINE_S, default 560 s: a device
 # command is stopped at 600 s), and after EVERY part packs into $OUT what this command added to the reference

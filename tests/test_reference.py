@@ -1085,8 +1085,9 @@ def test_status_names_done_parts_whose_notebooks_changed_since_they_ran():
 
 
 def test_next_redoes_a_done_part_whose_notebook_changed_after_every_part_not_run(tmp_path, monkeypatch, capsys):
-    """A part records the sha1 of each notebook it ran; once every part is done, `next` redoes the parts whose
-    notebooks changed since (their executed copies show older text), and only those. No git needed."""
+    """A part records the sha1 of the code cells of each notebook it ran; once every part is done, `next` redoes the
+    parts whose notebooks' code changed since (their executed copies show older output), and only those. A change to
+    the markdown alone redoes nothing. No git needed."""
     from ddpm_core.series import NOTEBOOKS_DIR
 
     ran = []
@@ -1106,13 +1107,31 @@ def test_next_redoes_a_done_part_whose_notebook_changed_after_every_part_not_run
     out = tmp_path / "h200"
     reference.run(out, smoke=False, parts=["next"])  # every part, once
     status = json.loads((out / "parts.json").read_text())
-    assert status["nb-09"]["notebook_sha1"] == {"09_putting_it_together": reference.notebook_sha1("09_putting_it_together")}
+    assert status["nb-09"]["code_sha1"] == {"09_putting_it_together": reference.notebook_code_sha1("09_putting_it_together")}
     assert reference.stale_parts(status) == []
-    status["nb-09"]["notebook_sha1"]["09_putting_it_together"] = "0" * 40  # as if 09 had changed since it ran
+    status["nb-09"]["code_sha1"]["09_putting_it_together"] = "0" * 40  # as if 09's code had changed since it ran
     (out / "parts.json").write_text(json.dumps(status))
     ran.clear()
     capsys.readouterr()
     reference.run(out, smoke=False, parts=["next"])
     assert ran == ["nb-09"]
-    assert "next: nb-09 (nb-09: done, but its notebook has changed since)" in capsys.readouterr().out
+    assert "next: nb-09 (nb-09: done, but its notebook's code changed since)" in capsys.readouterr().out
     assert reference.stale_parts(json.loads((out / "parts.json").read_text())) == []  # recorded anew
+
+
+def test_code_sha1_ignores_markdown_and_outputs_but_not_code():
+    """What makes a part stale is its notebook's code: an edited markdown cell, or outputs, leave the hash as it was;
+    an edited code cell, or a code cell moved, change it."""
+    def nb(cells):
+        return json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+
+    md = {"cell_type": "markdown", "metadata": {}, "source": ["Some text\n"]}
+    a = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": ["x = 1\n", "print(x)"]}
+    b = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": "y = 2"}
+    base = reference.code_sha1(nb([md, a, b]))
+    assert reference.code_sha1(nb([{**md, "source": ["Other text"]}, a, b])) == base
+    assert reference.code_sha1(nb([md, {**a, "outputs": [{"output_type": "stream", "name": "stdout", "text": "1"}],
+                                        "execution_count": 3}, b])) == base
+    assert reference.code_sha1(nb([md, {**a, "source": "x = 1\nprint(x)"}, b])) == base  # list or string source
+    assert reference.code_sha1(nb([md, {**a, "source": ["x = 2\n", "print(x)"]}, b])) != base
+    assert reference.code_sha1(nb([md, b, a])) != base
