@@ -247,14 +247,24 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
-def kernel_kinds(per_kernel: pd.DataFrame) -> pd.DataFrame:
+def kernel_kinds(per_kernel: pd.DataFrame, conv_share: dict[str, float] | None = None) -> pd.DataFrame:
     """GPU kernel time grouped by what the kernels do: convolutions, attention, Triton's fused kernels, copies and
     layout changes, the optimizer, ... from HTA's per-kernel sums (``get_gpu_kernel_breakdown`` with every kernel
     kept), all ranks together. HTA's own kernel types split only computation, communication and memory (a layout
     copy counts as computation there). Same columns as ``op_categories`` (kernel_type, sum, percentage), so the same
-    chart draws both."""
-    df = per_kernel[per_kernel["name"] != "others"]
-    out = (df.assign(kernel_type=df["name"].map(kernel_kind)).groupby("kernel_type", as_index=False)["sum (us)"].sum()
+    chart draws both.
+
+    A kernel's name does not always say what launched it: cuDNN runs many convolutions, backward ones above all, as
+    GEMM kernels (``sm80_xmma_gemm_f32f32_...``), named like cuBLAS's. ``conv_share`` (``launched_by_convolution``:
+    per kernel name, the share of its time that a convolution operator launched) moves that share of a GEMM-named
+    kernel's time to the convolutions; in the H200's fp32 eager step, three quarters of the GEMM-named time."""
+    df = per_kernel[per_kernel["name"] != "others"].assign(kernel_type=lambda d: d["name"].map(kernel_kind))
+    if conv_share:
+        share = df["name"].map(conv_share).fillna(0.0).where(df["kernel_type"] == "matmul (cuBLAS)", 0.0)
+        moved = df[share > 0].assign(**{"sum (us)": lambda d: d["sum (us)"] * share[share > 0],
+                                        "kernel_type": "convolution (cuDNN)"})
+        df = pd.concat([df.assign(**{"sum (us)": df["sum (us)"] * (1 - share)}), moved], ignore_index=True)
+    out = (df.groupby("kernel_type", as_index=False)["sum (us)"].sum()
            .rename(columns={"sum (us)": "sum"}))
     out["percentage"] = (100 * out["sum"] / out["sum"].sum()).round(1)
     return out.sort_values("sum", ascending=False, ignore_index=True)
@@ -319,6 +329,27 @@ def _graph_kernels(traces: dict[int, dict]) -> dict[int, int]:
     return out
 
 
+def launched_by_convolution(traces: dict[int, dict]) -> dict[str, float]:
+    """Per GPU kernel name, the share of its time launched by a convolution operator (``aten::convolution_backward``,
+    ``aten::cudnn_convolution``, ...), all ranks together; names no convolution launched are left out. A kernel
+    names the operator that launched it by its ``External id``. Kernels replayed from a CUDA graph have no operator
+    in the trace: their names alone say what they are (``kernel_kinds``)."""
+    conv, total = {}, {}
+    for trace in traces.values():
+        evs = trace["traceEvents"]
+        ops = {e["args"]["External id"]: str(e.get("name", "")) for e in evs
+               if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+        for e in evs:
+            if e.get("cat") != "kernel":
+                continue
+            name, dur = str(e.get("name", "")), float(e.get("dur", 0) or 0)
+            total[name] = total.get(name, 0.0) + dur
+            op = ops.get(e.get("args", {}).get("External id"))
+            if op is not None and "conv" in op.lower():
+                conv[name] = conv.get(name, 0.0) + dur
+    return {n: conv[n] / total[n] for n in conv if total[n] > 0}
+
+
 def _has_gpu_kernels(traces: dict[int, dict]) -> bool:
     return any(e.get("cat") == "kernel" for t in traces.values() for e in t["traceEvents"])
 
@@ -334,6 +365,7 @@ def analyze(trace_dir: str | Path, verbose: bool = True) -> TraceReport:
     report = TraceReport(trace_dir=trace_dir, trace_files=files, has_gpu=_has_gpu_kernels(traces),
                          cpu_ops=_cpu_op_breakdown(traces), cpu_temporal=_cpu_temporal(traces),
                          graph_kernels=_graph_kernels(traces))
+    conv_share = launched_by_convolution(traces) if report.has_gpu else {}
     unmarked = [r for r, t in traces.items()
                 if not any(str(e.get("name", "")).startswith("ProfilerStep#") for e in t["traceEvents"])]
     if unmarked:
@@ -344,7 +376,7 @@ def analyze(trace_dir: str | Path, verbose: bool = True) -> TraceReport:
     if not report.has_gpu:
         report.notes.append(GPU_ONLY_NOTICE)
     else:
-        _run_hta(report)
+        _run_hta(report, conv_share)
     if verbose:
         for n in report.notes:
             print(n)
@@ -373,7 +405,7 @@ def _quiet():
 _EXACT_TIMES = {"HTA_DISABLE_NS_ROUNDING": "1"}
 
 
-def _run_hta(report: TraceReport) -> None:
+def _run_hta(report: TraceReport, conv_share: dict[str, float] | None = None) -> None:
     from hta.trace_analysis import TraceAnalysis
 
     ranks = report.ranks
@@ -403,7 +435,7 @@ def _run_hta(report: TraceReport) -> None:
         report.kernels, every = kernels
         report.top_kernels = (every.sort_values("sum (us)", ascending=False).groupby("rank", group_keys=False)
                               .head(TOP_KERNELS).reset_index(drop=True))
-        report.kernel_kinds = kernel_kinds(every)
+        report.kernel_kinds = kernel_kinds(every, conv_share)
     idle = attempt("idle time breakdown", lambda: hta.get_idle_time_breakdown(ranks=ranks, visualize=False))
     if idle is not None:
         report.idle = idle[0]
@@ -483,8 +515,9 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
             raise TraceError(f"no trace files (*.pt.trace.json[.gz]) in {folder}: capture one with profiling.capture")
     if gpu is None:
         gpu = all(_has_gpu_kernels({0: _load_json(_trace_files(f)[0])}) for f in (before, after))
+
     def hta_diff(kernels: bool) -> pd.DataFrame:
-        with _quiet():
+        with _quiet(), temporary_env(_EXACT_TIMES):  # as analyze: sub-microsecond kernels keep their real durations
             return TraceDiff.compare_traces(str(before), str(after), use_short_name=True,
                                             device_type=DeviceType.GPU if kernels else DeviceType.CPU)
 

@@ -482,6 +482,22 @@ def test_kernel_kinds_say_where_the_h200_fast_step_goes():
     assert {n: traces.kernel_kind(n) for n in names} == names
 
 
+def test_gemm_named_kernels_that_a_convolution_launched_count_as_convolution():
+    """cuDNN runs most of the fp32 eager step's backward convolutions as GEMM kernels named like cuBLAS's
+    (sm80_xmma_gemm_f32f32_...): by name alone the H200's baseline read matmul 11% and convolution 70%. Each kernel
+    names its launching operator (External id); by that, aten::convolution_backward launched three quarters of the
+    GEMM-named time, and the matmuls (bmm, mm, addmm) are the rest."""
+    baseline = Path(__file__).resolve().parents[1] / "data/reference/h200/traces/09_putting_it_together/baseline"
+    kinds = traces.analyze(baseline, verbose=False).kernel_kinds.set_index("kernel_type")["percentage"]
+    assert kinds.sum() == pytest.approx(100, abs=0.5)
+    assert kinds["convolution (cuDNN)"] > 75 and kinds["matmul (cuBLAS)"] < 5, kinds
+    per_kernel = pd.DataFrame({"name": ["sm80_xmma_gemm_f32f32", "nvjet_gemm", "triton_poi_x"],
+                               "sum (us)": [100.0, 50.0, 50.0]})
+    k = traces.kernel_kinds(per_kernel, {"sm80_xmma_gemm_f32f32": 0.75, "triton_poi_x": 1.0}).set_index("kernel_type")["sum"]
+    assert k.to_dict() == {"convolution (cuDNN)": 75.0, "matmul (cuBLAS)": 75.0, "fused elementwise / norm (Triton)": 50.0}
+    assert traces.kernel_kinds(per_kernel).set_index("kernel_type")["sum"]["matmul (cuBLAS)"] == 150.0  # by name alone
+
+
 def test_the_launch_table_says_how_many_kernels_ran_inside_cuda_graphs():
     """HTA's launch statistics count cudaLaunchKernel calls: in the H200's CUDA-graph step they covered 52 kernels and
     left out the ~3,000 that one cudaGraphLaunch per step ran, which made the step look launch-bound beside 5% idle."""
