@@ -998,13 +998,11 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
         for r in range(rounds):
             for v in (variants if r % 2 == 0 else variants[::-1]):
                 if cuda:
-                    if graphs[v.name]:
-                        torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
                     others = held_by_others(v.fn, v.args, {}, device, owned[v.name])  # the other variants' trainers
                     times[v.name] += _cuda_times(v.fn, v.args, {}, iters, device)
                     got = cuda_peak_memory(device, graphs[v.name], others)
-                    if v.name not in peak or got[0] > peak[v.name][0]:
+                    if not graphs[v.name] and (v.name not in peak or got[0] > peak[v.name][0]):
                         peak[v.name] = got
                 else:
                     for _ in range(iters):
@@ -1013,6 +1011,21 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
                         times[v.name].append(1e3 * (time.perf_counter() - t0))
                 bar.update(1)
     bar.close()
+    for v in variants if cuda else []:
+        if graphs[v.name]:  # its memory from one more call, untimed: see below
+            # Give back cached blocks nobody uses so that "reserved" counts what this step holds (its graph pools stay:
+            # they are in use). After the timed rounds, not inside them: the variant timed after an empty_cache would
+            # pay for allocating its blocks again in its first timed call.
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            others = held_by_others(v.fn, v.args, {}, device, owned[v.name])
+            v.fn(*v.args)
+            sync()
+            held, reserved, kind = cuda_peak_memory(device, True, others)
+            shared = [n for n, g in graphs.items() if g]
+            if len(shared) > 1:  # one pool per GPU holds every compiled step's graphs: not this step's alone
+                kind += f", one pool shared by the {len(shared)} CUDA-graph steps"
+            peak[v.name] = (held, reserved, kind)
     measurements = []
     for v in variants:
         if cuda:
@@ -1194,14 +1207,24 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and ("out of memory" in str(err).lower() or "can't allocate memory" in str(err).lower())
 
 
-def free_memory(device: torch.device | str | None = None) -> None:
-    """Give cached device memory back after an out-of-memory error, so the kernel lives on.
+def free_memory(device: torch.device | str | None = None, compiled: bool = False) -> None:
+    """Give cached device memory back after an out-of-memory error, or once trainers are deleted, so the kernel lives on.
 
     Call it after the ``except`` clause that caught the error, not inside it: until the clause
     ends, the exception's traceback keeps the failed step's frames and tensors alive.
+
+    ``compiled``: also drop every function ``torch.compile`` made in this process (``torch._dynamo.reset()``), and with
+    them the CUDA-graph memory pool of ``reduce-overhead`` (one per GPU, shared by every compiled trainer). ``del
+    trainer`` alone does not free that pool: Dynamo keeps compiled code on the code object of the function it
+    compiled (``Trainer.loss_eager``, the same for every trainer). Trainers compiled before the call compile again at
+    their next step (Inductor's on-disk cache makes that quicker than the first time).
     """
     import gc
 
+    if compiled:
+        import torch._dynamo as dynamo  # "import torch._dynamo" here would make torch a local name of this function
+
+        dynamo.reset()
     gc.collect()
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         torch.cuda.empty_cache()

@@ -184,15 +184,17 @@ def contenders(batch_size: int, device: torch.device, smoke: bool, fast_batch: i
 
 def run(batch_size: int | None = None, smoke: bool = False, rounds: int = 5, iters: int = 4, warmup: int = 5,
         device: str = "auto", fast_batch: int | None = None) -> tuple[bench.Comparison, list[str]]:
-    """Every contender side by side at ``batch_size`` (default: the paper's 128 on a GPU, which fits a 16 GB
-    card in fp32; 16 on a CPU, 4 in smoke mode), and ``TrainConfig.fast()`` at ``fast_batch`` too (default
+    """Every contender side by side at ``batch_size`` (default: the paper's 128 on a GPU of 24 GB or more, 64 on a
+    smaller one; 16 on a CPU, 4 in smoke mode), and ``TrainConfig.fast()`` at ``fast_batch`` too (default
     on a GPU of 40 GB or more: the batch ``TrainConfig.fast()`` picks for its memory)."""
     from .env import gpu_memory_gib
     from .train import TrainConfig
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if batch_size is None:
-        batch_size = 4 if smoke else (128 if dev.type == "cuda" else 16)
+        # Every contender stays alive through the interleaved rounds: at 128 on a 16 GB card their states, the fp32
+        # baseline's activations (about 6 GiB) and the fast step's CUDA-graph pool (4-5 GiB) would come to 13-15 GiB.
+        batch_size = 4 if smoke else 16 if dev.type != "cuda" else 128 if gpu_memory_gib(str(dev)) >= 24 else 64
     if fast_batch is None and dev.type == "cuda" and not smoke and gpu_memory_gib(str(dev)) >= 40:
         # Below 40 GB the five contenders' states and CUDA-graph pools would not fit beside a second fast
         # batch: the fast configuration's own batch is then measured in notebook 09 only.
@@ -200,7 +202,10 @@ def run(batch_size: int | None = None, smoke: bool = False, rounds: int = 5, ite
     variants, skipped = contenders(batch_size, dev, smoke, fast_batch)
     if not variants:
         raise RuntimeError("no contender could be built: " + "; ".join(skipped))
-    return bench.compare(variants, rounds=rounds, iters=iters, warmup=warmup, device=dev), skipped
+    comparison = bench.compare(variants, rounds=rounds, iters=iters, warmup=warmup, device=dev)
+    del variants  # the contenders' trainers; on a GPU their compiled code and CUDA-graph pool too (free_memory says why)
+    bench.free_memory(dev, compiled=dev.type == "cuda")
+    return comparison, skipped
 
 
 def same_network(name: str, smoke: bool) -> bool:
@@ -230,7 +235,7 @@ def ceiling_column(table, ceiling, smoke: bool, measurements: list[bench.Measure
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddpm_core.bench_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="small models, few steps: a CPU check of the whole path")
-    p.add_argument("--batch-size", type=int, default=None, help="per step (default: 128 on a GPU, 16 on a CPU, 4 in smoke)")
+    p.add_argument("--batch-size", type=int, default=None, help="per step (default: 128 on a GPU of 24 GB or more, 64 on a smaller one, 16 on a CPU, 4 in smoke)")
     p.add_argument("--fast-batch", type=int, default=None,
                    help="also TrainConfig.fast() at this batch (default on a GPU of 40 GB or more: the one it picks for it)")
     p.add_argument("--rounds", type=int, default=None)

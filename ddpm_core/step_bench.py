@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from . import bench
+from . import bench, env
 from .atomic import atomic_write_text
 from .train import TrainConfig, build
 
@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(**{"dataset": "synthetic", "progress": False, **fields, "batch_size": args.batch_size})
     t = build(cfg)
+    # DDPM_GPU_MEMORY_GB (a smaller card rehearsed on a bigger one) holds in this process too, as env.show applies it
+    # in the notebook that started it
+    env.apply_memory_cap(t.device)
     g = torch.Generator().manual_seed(args.seed)
     x = (torch.rand(args.batch_size, 3, 32, 32, generator=g) * 2 - 1).to(t.device)
     m = bench.measure(t.train_step, x, batch_size=args.batch_size, warmup=args.warmup, iters=args.iters)
