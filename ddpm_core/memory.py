@@ -117,6 +117,7 @@ def saved_by_module(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwar
 KINDS = {
     "Conv2d": "convolution inputs",
     "GroupNorm": "GroupNorm",
+    "GroupNorm16": "GroupNorm",
     "LayerNorm": "LayerNorm",
     "BatchNorm2d": "BatchNorm",
     "Dropout": "dropout masks and inputs",

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ATTENTION_CHOICES = ("math", "sdpa")
-NORM_CHOICES = ("group", "none")
+NORM_CHOICES = ("group", "group16", "none")
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -61,7 +61,29 @@ def _norm(kind: str, channels: int, groups: int) -> nn.Module:
             f"{groups} groups; choose base_channels/channel_mult so every width is a multiple of "
             f"norm_groups, or lower norm_groups."
         )
-    return nn.GroupNorm(groups, channels, eps=1e-6)
+    return (GroupNorm16 if kind == "group16" else nn.GroupNorm)(groups, channels, eps=1e-6)
+
+
+class GroupNorm16(nn.GroupNorm):
+    """``nn.GroupNorm`` that runs in autocast's 16-bit type (bf16, or fp16) where autocast is on.
+
+    On CUDA, autocast runs ``group_norm`` in fp32 whatever its input (it is on autocast's fp32 list): its output, the
+    SiLU after it and what both save for backward are fp32, although the convolution that follows casts its input to
+    16 bits anyway. This module casts the input, weight and bias to the autocast type and runs ``F.group_norm`` with
+    autocast off. The statistics still accumulate in fp32 (CUDA's and the CPU's kernels accumulate in fp32 for 16-bit
+    inputs); what changes is that the output is rounded to 16 bits one SiLU earlier than the convolution would round it.
+    On a CPU, autocast already runs ``group_norm`` in its input's type, so there the two are the same step.
+
+    Outside autocast it is ``nn.GroupNorm``: the same parameters, the same ``state_dict``, the same output.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if not torch.is_autocast_enabled(device):
+            return super().forward(x)
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return F.group_norm(x.to(dtype), self.num_groups, self.weight.to(dtype), self.bias.to(dtype), self.eps)
 
 
 class ResBlock(nn.Module):
@@ -191,7 +213,8 @@ class UNet(nn.Module):
         attn_resolutions: feature-map sizes that get a self-attention block ((16,) in the paper).
         dropout: dropout inside residual blocks (0.1 for CIFAR-10).
         attention: "math" (explicit softmax(QK^T/sqrt(d))V) or "sdpa".
-        norm: "group" (GroupNorm, as in the paper) or "none" (for the normalization ablation).
+        norm: "group" (GroupNorm, as in the paper), "group16" (the same GroupNorm run in 16 bits under autocast:
+            ``GroupNorm16``) or "none" (for the normalization ablation).
         norm_groups: GroupNorm groups (32).
         attn_heads: attention heads (1 in the paper).
     """

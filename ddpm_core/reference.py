@@ -86,7 +86,7 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
     "nb-07": ["07"],  # ~3.5 min: 07 compiles its step
     "nb-08": ["08"],  # ~3.5 min on one GPU: DDP in gloo CPU processes (torchrun launches)
     "nb-09": ["09"],  # ~5 min: ten stages, the last two compiled
-    "nb-09b": ["09b"],  # ~8 min: the peers (their wheels: scripts/gpu_wheels.sh), four compiles, the ceiling, two profiles, the quality runs
+    "nb-09b": ["09b"],  # ~9 min: the peers (their wheels: scripts/gpu_wheels.sh), five compiles, the ceiling, three profiles, the quality runs
     "nb-10": ["10"],  # ~5 min: 10 trainings of 100 fp32 steps
 }
 # The gpu tests in two parts: on the H100 (2026-11-26) one cold reduce-overhead compile of the tiny model took 55 s
@@ -103,11 +103,14 @@ GPU_TEST_TIMEOUT_S = {"gpu-tests": 150, "gpu-tests-slow": 300, "gpu-tests-autotu
 PARTS = ["meta", *GPU_TEST_PARTS, *NOTEBOOK_PARTS, "pack"]
 # The order in which ``--parts next`` takes the parts a folder has not done yet. GPU time comes rarely and briefly
 # (one task in about forty has drawn a GPU, for 15 minutes), so a session should spend it where the issues need it
-# most: the fast GPU tests ("GPU paths that work"), 09 (every stage on the GPU: the README's GPU table) and 09b (the
-# fastest step against the peers and the ceiling), then the notebooks that teach one technique each. 00-01 comes
+# most: 09 (every stage on the GPU: the README's GPU table) and 09b (the fastest step against the peers and the
+# ceiling, and the suspects in its trace: issue 12's evidence), then the fast GPU tests ("GPU paths that work"; they
+# ran on the H200, two failed and were fixed: short and predictable, they fit beside any part), then the notebooks
+# that teach one technique each. 09b goes before the tests because its length is only estimated: first, it gets the
+# whole of a run's deadline. 00-01 comes
 # late: the H100's run committed its figures (a 4-minute training of the paper's model), and another GPU of the same
 # compute adds little. nb-08 is last but the autotune test: on one GPU its DDP runs are CPU processes (_skip_reason).
-PRIORITY = ["meta", "gpu-tests", "nb-09", "nb-09b", "nb-02", "nb-03", "nb-04", "nb-05-06", "nb-03b", "nb-07",
+PRIORITY = ["meta", "nb-09", "nb-09b", "gpu-tests", "nb-02", "nb-03", "nb-04", "nb-05-06", "nb-03b", "nb-07",
             "nb-10", "gpu-tests-slow", "nb-00-01", "nb-08", "gpu-tests-autotune"]
 NEXT = "next"  # a --parts word: every part of PRIORITY the folder has not done, in that order
 # Seconds each part is expected to take in full mode on one H100 or H200: nb-00-01 as measured there (2026-11-26), the
@@ -115,7 +118,7 @@ NEXT = "next"  # a --parts word: every part of PRIORITY the folder has not done,
 # (parts.json) is estimated by the longest such measurement instead (part_estimate_s).
 PART_ESTIMATE_S = {"meta": 1, "gpu-tests": 150, "gpu-tests-slow": 240, "gpu-tests-autotune": 300, "nb-00-01": 507,
                    "nb-02": 270, "nb-03": 300, "nb-03b": 120, "nb-04": 390, "nb-05-06": 330, "nb-07": 210, "nb-08": 210,
-                   "nb-09": 300, "nb-09b": 480, "nb-10": 300, "pack": 10}
+                   "nb-09": 300, "nb-09b": 560, "nb-10": 300, "pack": 10}
 # When a full run must end, in seconds since the epoch (scripts/gpu_call.sh sets it from its deadline): a part whose
 # estimate does not fit the time left is not started, and a shorter one after it may be. A part cut off by the deadline
 # is lost work (it is redone from its start), so on a machine lent for minutes, starting one that cannot end wastes them.

@@ -47,6 +47,9 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-nesterov", "adagrad", "adadelta")
 FUSED_OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-nesterov")
 # Fields that must match for a checkpoint to resume a run (they change weights or data order).
 RESUME_KEYS = ("model", "norm", "optimizer", "batch_size", "timesteps", "seed", "dataset", "synthetic_size")
+# Values of those fields that hold the same weights and so resume each other: GroupNorm run in 16 bits under autocast
+# is GroupNorm with the same parameters (a speed switch, like precision).
+SAME_WEIGHTS = {("norm", "group16"): "group"}
 
 
 @dataclass
@@ -561,8 +564,11 @@ class Trainer:
         # device, while non-fused Adam's `step` counters stay CPU tensors as they must (on the GPU,
         # Adam reads each with .item(): two device syncs per parameter per step).
         ckpt = load_checkpoint_file(path, "cpu")
+        def weights_of(k: str, v: Any) -> Any:
+            return SAME_WEIGHTS.get((k, v), v)
+
         mismatched = {k: (ckpt["config"].get(k), getattr(self.cfg, k)) for k in RESUME_KEYS
-                      if ckpt["config"].get(k) != getattr(self.cfg, k)}
+                      if weights_of(k, ckpt["config"].get(k)) != weights_of(k, getattr(self.cfg, k))}
         if mismatched:
             desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items())
             raise ValueError(

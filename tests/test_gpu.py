@@ -130,6 +130,28 @@ def test_tf32_is_on_exactly_during_the_steps_of_a_tf32_trainer(tmp_path, precisi
     assert (seen["errors"][1] if not tf32 else after[1]) < TF32_ERROR, (seen, after)
 
 
+# ------------------------------------------------------------------------------ GroupNorm in 16 bits
+def test_cuda_autocast_runs_groupnorm_in_fp32_and_group16_in_16_bits_saving_fewer_bytes(tmp_path):
+    """The premise of norm="group16": on CUDA, autocast upcasts group_norm to fp32 (on a CPU it does not, so only a GPU
+    can test this). group16 keeps it in the autocast type, and the same step then saves fewer bytes for backward."""
+    from ddpm_core.model import GroupNorm16
+
+    half = HALF_DTYPE[env.mixed_precision("cuda")]
+    gn = GroupNorm16(32, 64, eps=1e-6).cuda()
+    h = torch.randn(4, 64, 16, 16, device="cuda", dtype=half)
+    with torch.autocast("cuda", dtype=half):
+        assert torch.nn.GroupNorm.forward(gn, h).dtype == torch.float32
+        out = gn(h)
+    assert out.dtype == half
+    torch.testing.assert_close(out.float(), F.group_norm(h.float(), 32, gn.weight, gn.bias, 1e-6), atol=3e-2, rtol=2e-2)
+    saved = {}
+    for norm in ("group", "group16"):
+        t = build(tiny_config(tmp_path / norm, device="cuda", precision=env.mixed_precision("cuda"), norm=norm,
+                              batch_size=8))
+        saved[norm], _ = bench.saved_tensor_bytes(t.train_step, _batch(8))
+    assert saved["group16"] < 0.95 * saved["group"], saved
+
+
 # ------------------------------------------------------------------------------ SDPA
 HALF_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the GPU's 16-bit autocast: env.mixed_precision
 

@@ -222,3 +222,45 @@ def _measurement(median_ms, p10_ms, p90_ms):
     return bench.Measurement(name="m", device="cpu", device_name="CPU (test)", torch_version=torch.__version__,
                              batch_size=8, iters=3, first_ms=median_ms, median_ms=median_ms, p10_ms=p10_ms,
                              p90_ms=p90_ms, images_per_s=8e3 / median_ms, peak_memory_bytes=None, memory_kind="")
+
+
+def test_group16_is_groupnorm_outside_autocast_and_16_bit_inside():
+    """norm="group16" has GroupNorm's parameters and state_dict, and its output outside autocast; under autocast it
+    returns the autocast type even for an fp32 input (plain GroupNorm on an fp32 input returns fp32), within bf16's
+    rounding of the fp32 result."""
+    from ddpm_core.model import GroupNorm16
+
+    torch.manual_seed(0)
+    plain = UNet(base_channels=32, channel_mult=(1, 2), norm="group")
+    half = UNet(base_channels=32, channel_mult=(1, 2), norm="group16")
+    half.load_state_dict(plain.state_dict())  # the same keys and shapes: weights move between the two
+    assert sum(isinstance(m, GroupNorm16) for m in half.modules()) == sum(
+        type(m) is torch.nn.GroupNorm for m in plain.modules()) > 0
+    plain.eval(), half.eval()
+    x, t = torch.randn(2, 3, 32, 32), torch.tensor([3, 700])
+    with torch.no_grad():
+        assert torch.equal(plain(x, t), half(x, t))
+    gn = next(m for m in half.modules() if isinstance(m, GroupNorm16))
+    with torch.no_grad():
+        gn.weight.uniform_(0.5, 1.5), gn.bias.uniform_(-0.5, 0.5)
+    h = torch.randn(4, gn.num_channels, 8, 8)
+    ref = torch.nn.functional.group_norm(h, gn.num_groups, gn.weight, gn.bias, gn.eps)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gn(h)
+        assert torch.nn.GroupNorm.forward(gn, h).dtype == torch.float32  # what plain GroupNorm does with fp32 input
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_group16_trains_a_step_and_its_parameters_stay_fp32():
+    from ddpm_core.train import TrainConfig, build
+
+    t = build(TrainConfig(model="tiny", device="cpu", batch_size=2, norm="group16", precision="bf16", seed=0,
+                          progress=False))
+    from ddpm_core.model import GroupNorm16
+
+    loss = t.train_step(torch.rand(2, 3, 32, 32) * 2 - 1)
+    assert math.isfinite(float(loss))
+    norms = [m for m in t.model.modules() if isinstance(m, GroupNorm16)]
+    assert norms and all(m.weight.dtype == torch.float32 for m in norms)  # the parameters stay fp32 (autocast's rule)
+    assert all(m.weight.grad is None or m.weight.grad.dtype == torch.float32 for m in norms)

@@ -193,6 +193,10 @@ def test_checkpoints_are_pruned_and_a_mismatched_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run.*resume=True"):
         train(tiny_config(tmp_path, steps=8, resume=False))
     assert len(list_checkpoints(cfg.out_dir)) == 2  # nothing was deleted
+    with pytest.raises(ValueError, match=r"different run \(norm: checkpoint 'group' vs config 'none'\)"):
+        train(tiny_config(tmp_path, steps=8, norm="none"))  # other weights
+    r = train(tiny_config(tmp_path, steps=8, norm="group16"))  # GroupNorm's weights, run in 16 bits
+    assert r.resumed_from is not None and r.trainer.step == 8
 
 
 _SLOW_WRITER = textwrap.dedent("""
