@@ -655,10 +655,10 @@ class CpuLoad:
         self.cores = psutil.cpu_count() or 1
         self._children: dict[int, float] = {}  # the CPU seconds of each child _own() counted at its last call
         self._procs0 = self._process_times()
-        self._busy0, self._own0 = self._busy(), self._own()
+        self._busy0, self._own0, self._kernel0 = self._busy(), self._own(), self._kernel_side()
         self._t0 = time.perf_counter()
         self.load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-        self.other_share, self.load_1min, self.top_others = 0.0, self.load_start, []
+        self.other_share, self.load_1min, self.top_others, self.unnamed = 0.0, self.load_start, [], ""
         return self
 
     def _busy(self) -> float:
@@ -687,8 +687,9 @@ class CpuLoad:
                 out[p.pid] = (p.info.get("name") or "?", t.user + t.system)
         return out
 
-    def _top_others(self, wall: float, n: int = 3) -> list[str]:
-        """The ``n`` other processes that used the most CPU over the block, as 'name (pid P) S% of one core'."""
+    def _top_others(self, wall: float, n: int = 3) -> tuple[list[str], float]:
+        """The ``n`` other processes that used the most CPU over the block, as 'name (pid P) S% of one core', and the
+        CPU seconds of every other process this user can read."""
         mine = {self._proc.pid} | {c.pid for c in self._proc.children(recursive=True)}
         used = []
         for pid, (name, t1) in self._process_times().items():
@@ -697,8 +698,13 @@ class CpuLoad:
             t0 = self._procs0.get(pid, (name, 0.0))[1]  # a process born during the block: all of its time
             if t1 - t0 > 0:
                 used.append((t1 - t0, name, pid))
-        return [f"{name} (pid {pid}) {100 * d / wall:.0f}% of one core"
-                for d, name, pid in sorted(used, reverse=True)[:n] if d > self.tick_s() * 2]
+        return ([f"{name} (pid {pid}) {100 * d / wall:.0f}% of one core"
+                 for d, name, pid in sorted(used, reverse=True)[:n] if d > self.tick_s() * 2], sum(d for d, _, _ in used))
+
+    def _kernel_side(self) -> float:
+        """CPU seconds so far in interrupts and in a hypervisor's steal: busy time that belongs to no process."""
+        t = self._psutil.cpu_times()
+        return sum(getattr(t, k, 0.0) for k in ("irq", "softirq", "steal"))
 
     @staticmethod
     def tick_s() -> float:
@@ -720,13 +726,24 @@ class CpuLoad:
         end = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         self.load_1min = max(self.load_start, end)
         # who, where the share counts as busy: a warning that names the process can be checked (and acted on)
-        self.top_others = self._top_others(wall) if self.other_share > NOISY_OTHER_CPU else []
+        self.top_others, self.unnamed = [], ""
+        if self.other_share > NOISY_OTHER_CPU:
+            self.top_others, named = self._top_others(wall)
+            kernel = self._kernel_side() - self._kernel0
+            # what no process it can read accounts for: processes that ended during the block (their time leaves the
+            # process table with them), other users' processes, interrupts, a hypervisor's steal time
+            rest = (other - self.slack_s - named) / (wall * self.cores)
+            if rest > 0.5 * self.other_share:
+                self.unnamed = (f"{rest:.0%} of the CPU was in no process it could read (processes that ended during "
+                                "the block, other users', interrupts or a hypervisor's steal time"
+                                + (f"; interrupts and steal: {kernel / (wall * self.cores):.0%})"
+                                   if kernel > self.tick_s() * 6 else ")"))
 
     def noise(self, spreads: dict[str, float] | None = None) -> "Noise":
         """This block's load as a ``Noise``, with the variants' ``spreads`` (none: the machine's load alone, for
         ``Noise.busy`` / ``busy_reasons``)."""
         return Noise(cores=self.cores, load_1min=self.load_1min, other_cpu_share=self.other_share, spreads=spreads or {},
-                     top_others=list(self.top_others))
+                     top_others=list(self.top_others), unnamed=self.unnamed)
 
 
 @dataclass
@@ -739,6 +756,7 @@ class Noise:
     spreads: dict[str, float]  # per variant: (p90 - p10) / median of its repeats
     threads: int = field(default_factory=torch.get_num_threads)
     top_others: list[str] = field(default_factory=list)  # the busiest other processes, where other_cpu_share was high
+    unnamed: str = ""  # how much of other_cpu_share no readable process accounts for, where that is most of it
 
     @property
     def busy_reasons(self) -> list[str]:
@@ -751,7 +769,8 @@ class Noise:
                        f"{self.load_1min - self.threads:.1f} above this run's own {self.threads} threads")
         if self.other_cpu_share > NOISY_OTHER_CPU:
             out.append(f"other processes used {self.other_cpu_share:.0%} of the CPU while it ran"
-                       + (f" (the busiest: {', '.join(self.top_others)})" if self.top_others else ""))
+                       + (f" (the busiest: {', '.join(self.top_others)})" if self.top_others else "")
+                       + (f"; {self.unnamed}" if self.unnamed else ""))
         return out
 
     @property

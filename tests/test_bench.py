@@ -773,6 +773,33 @@ def test_compare_in_processes_times_real_launches_and_names_a_failing_one():
     assert cmp.measurements[0].memory_kind == bench.SAVED_KIND and cmp.noise.threads == torch.get_num_threads()
 
 
+def test_a_busy_warning_says_how_much_of_the_other_work_no_process_it_can_read_accounts_for(monkeypatch):
+    """The H200's notebook 09 read 'other processes used 40%' with no process to name. Time in processes that ended
+    during the block, in interrupts or in a hypervisor's steal belongs to no process left to read: the warning says
+    how much, and how much of it was interrupts and steal; where the named processes account for it, it says nothing."""
+    def block(other_named, kernel):
+        clock = iter([100.0, 110.0])  # a 10 s block on 2 cores
+        busy, own, kern = iter([50.0, 58.0]), iter([1.0, 1.0]), iter([5.0, 5.0 + kernel])  # 8 s of other work
+        procs = iter([{1: ("idle", 1.0)}, {1: ("idle", 1.0), 2: ("burner", other_named)}])
+        monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+        monkeypatch.setattr(bench.CpuLoad, "_busy", lambda self: next(busy))
+        monkeypatch.setattr(bench.CpuLoad, "_own", lambda self: next(own))
+        monkeypatch.setattr(bench.CpuLoad, "_kernel_side", lambda self: next(kern))
+        monkeypatch.setattr(bench.CpuLoad, "_process_times", lambda self: next(procs))
+        monkeypatch.setattr(bench.CpuLoad, "tick_s", staticmethod(lambda: 0.01))
+        with bench.CpuLoad() as load:
+            load.cores = 2
+        return load
+
+    hidden = block(other_named=1.0, kernel=2.0)
+    assert hidden.other_share == pytest.approx((8.0 - 0.1) / 20)
+    reason = " ".join(hidden.noise().busy_reasons)
+    assert "(the busiest: burner (pid 2) 10% of one core); 34% of the CPU was in no process it could read" in reason
+    assert "interrupts and steal: 10%" in reason
+    named = block(other_named=7.5, kernel=0.0)
+    assert named.unnamed == "" and "no process" not in " ".join(named.noise().busy_reasons)
+
+
 def test_cpu_load_does_not_read_a_stray_clock_tick_over_a_short_block_as_a_busy_machine(monkeypatch):
     """07's augmentation timing lasted about 10 ms; one 10-ms tick of another process's time read as 68% of 2 cores."""
     clock = iter([100.0, 100.010, 200.0, 210.0])  # two blocks: 10 ms, then 10 s
