@@ -284,7 +284,7 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
         display(Markdown(
             f"### On {device_words(m, folder)} (reference run, not this machine)\n\n"
             f"Everything above this heading was measured on this machine. Everything below comes from the "
-            f"reference run{mode}: {ref_label}, git commit `{str(m.get('git_commit') or '?')[:10]}`, "
+            f"reference run{mode} ({ref_label.removeprefix('reference: ')}), git commit `{str(m.get('git_commit') or '?')[:10]}`, "
             f"committed in `data/reference/{folder.name}/`."
             + (f" This notebook ran for **{secs / 60:.1f} min** there{mode or ' in full mode'}."
                if (secs := notebook_seconds(folder, notebook)) is not None else "")))
