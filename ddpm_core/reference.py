@@ -474,8 +474,9 @@ def stale_parts(status: dict) -> list[str]:
             then = subprocess.run(["git", "show", f"{v['git_commit']}:notebooks/{nb}.ipynb"], cwd=REPO_ROOT,
                                   capture_output=True, text=True)
             now = notebook_code_sha1(nb)
+            # git could not show it (no such commit here, or no git): not called stale
             if then.returncode == 0 and now is not None and code_sha1(then.stdout) != now:
-                out.append(part)  # no such commit here, or no git: not called stale
+                out.append(part)
                 break
     return out
 

@@ -564,11 +564,9 @@ class Trainer:
         # device, while non-fused Adam's `step` counters stay CPU tensors as they must (on the GPU,
         # Adam reads each with .item(): two device syncs per parameter per step).
         ckpt = load_checkpoint_file(path, "cpu")
-        def weights_of(k: str, v: Any) -> Any:
-            return SAME_WEIGHTS.get((k, v), v)
-
         mismatched = {k: (ckpt["config"].get(k), getattr(self.cfg, k)) for k in RESUME_KEYS
-                      if weights_of(k, ckpt["config"].get(k)) != weights_of(k, getattr(self.cfg, k))}
+                      if SAME_WEIGHTS.get((k, ckpt["config"].get(k)), ckpt["config"].get(k))
+                      != SAME_WEIGHTS.get((k, getattr(self.cfg, k)), getattr(self.cfg, k))}
         if mismatched:
             desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items())
             raise ValueError(
