@@ -824,9 +824,11 @@ class Comparison:
     fp32's throughput on the quiet machine, and 3.5x slower, every repeat, with two CPU burners beside it.
     """
 
-    def __init__(self, measurements: list[Measurement], noise: Noise, baseline: int = 0, rounds: int = 0):
+    def __init__(self, measurements: list[Measurement], noise: Noise, baseline: int = 0, rounds: int = 0,
+                 dropped: dict[str, str] | None = None):
         self.measurements, self.noise, self.rounds = measurements, noise, rounds
         self.baseline = measurements[baseline]
+        self.dropped = dict(dropped or {})  # variant name -> where it ran out of memory (compare(on_oom="drop"))
 
     def __getitem__(self, name: str) -> Measurement:
         for m in self.measurements:
@@ -951,6 +953,9 @@ class Comparison:
         for m in self.measurements:
             if m is not self.baseline and (only is None or m.name in only):
                 lines.append(f"- **{m.name}**: {self.verdict(m)}.")
+        for name, where in self.dropped.items():
+            lines.append(f"- **{name}**: ran out of memory beside the other variants ({where}), so it is left out of "
+                         "this comparison.")
         lines.append(f"\n<small>{self.rounds} interleaved rounds, {self.noise.threads} torch threads for every variant, "
                      f"other processes' CPU use {self.noise.other_cpu_share:.0%}, load average {self.noise.load_1min:.1f} "
                      f"on {self.noise.cores} cores.</small>")
@@ -961,7 +966,8 @@ class Comparison:
 
 
 def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup: int = 2, baseline: int = 0,
-            device: torch.device | str | None = None, memory: bool = True, progress: bool = True) -> Comparison:
+            device: torch.device | str | None = None, memory: bool = True, progress: bool = True,
+            on_oom: str = "raise") -> Comparison:
     """Measure ``variants`` side by side: the protocol every comparison of the series uses.
 
     1. Each variant's first call is timed apart (compilation, autotuning), then ``warmup - 1``
@@ -976,9 +982,16 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
     Memory: on CUDA the peak allocated (reserved for CUDA-graph steps) over the variant's own
     rounds, less what the rest of the process held (the other variants' trainers: :func:`held_by_others`),
     so each row is its step as if alone; on CPU the bytes saved for backward (:func:`saved_tensor_bytes`).
+
+    ``on_oom="drop"``: a variant (not the baseline) that runs out of memory is left out from then on, its cached
+    blocks are freed, and the others go on; ``Comparison.dropped`` and ``report()`` say which and where. A batch
+    found to fit alone (:func:`largest_batch`) can fail beside the others' inputs and cached blocks, on a 16 GB card
+    for one. The default, ``"raise"``, lets the error through.
     """
     from tqdm.auto import tqdm
 
+    if on_oom not in ("raise", "drop"):
+        raise ValueError(f"on_oom must be 'raise' or 'drop', got {on_oom!r}")
     if not variants:
         raise ValueError("compare() needs at least one Variant")
     names = [v.name for v in variants]
@@ -997,42 +1010,81 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
             torch.cuda.synchronize(device)
 
     first: dict[str, float] = {}
-    graphs = {v.name: (v.cuda_graphs if v.cuda_graphs is not None else _uses_cuda_graphs(v.fn)) for v in variants}
-    bar = tqdm(total=len(variants) * (warmup + rounds), desc="compare", disable=not progress, leave=False)
-    for v in variants:
+    dropped: dict[str, str] = {}
+    base_name = variants[baseline].name
+
+    def attempt(v: Variant, where: str, thunk: Callable[[], Any]) -> Any:
+        """``thunk()``, or None once ``v`` ran out of memory and ``on_oom="drop"`` left it out."""
+        if v.name in dropped:
+            return None
+        try:
+            return thunk()
+        except Exception as e:  # noqa: BLE001 - only OOM is dropped; anything else is re-raised
+            if on_oom != "drop" or not is_out_of_memory(e):
+                raise
+            if v.name == base_name:
+                raise RuntimeError(f"the baseline {v.name!r} ran out of memory ({where}): nothing to compare against. "
+                                   "Lower its batch size, or pass a smaller variant as the baseline.") from e
+        # after the except clause: the traceback (and the failed step's tensors) is gone, so the cache can be freed
+        dropped[v.name] = where
+        free_memory(device)
+        return None
+
+    def run_first(v: Variant) -> float:
         sync()
         t0 = time.perf_counter()
         v.fn(*v.args)
         sync()
-        first[v.name] = 1e3 * (time.perf_counter() - t0)
+        return 1e3 * (time.perf_counter() - t0)
+
+    def run_warmup(v: Variant) -> None:
         for _ in range(warmup - 1):
             v.fn(*v.args)
         sync()
+
+    def run_cpu(v: Variant) -> list[float]:
+        got = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            v.fn(*v.args)
+            got.append(1e3 * (time.perf_counter() - t0))
+        return got
+
+    graphs = {v.name: (v.cuda_graphs if v.cuda_graphs is not None else _uses_cuda_graphs(v.fn)) for v in variants}
+    bar = tqdm(total=len(variants) * (warmup + rounds), desc="compare", disable=not progress, leave=False)
+    for v in variants:
+        took = attempt(v, "its first call", lambda: run_first(v))
+        if took is not None:
+            first[v.name] = took
+            attempt(v, "warm-up", lambda: run_warmup(v))
         bar.update(warmup)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     peak: dict[str, tuple[int, int, str]] = {}
     # what each step holds is set once it has run (weights, Adam state, EMA, batch): walk it once, not every round
-    owned = {v.name: owned_bytes(v.fn, v.args, {}, device) for v in variants} if cuda else {}
+    owned = {v.name: owned_bytes(v.fn, v.args, {}, device) for v in variants if v.name not in dropped} if cuda else {}
     with CpuLoad() as load:
         for r in range(rounds):
             for v in (variants if r % 2 == 0 else variants[::-1]):
+                bar.update(1)
+                if v.name in dropped:
+                    continue
+                where = f"timed round {r + 1}"
                 if cuda and graphs[v.name]:  # its memory is read once, after the rounds (below)
-                    times[v.name] += _cuda_times(v.fn, v.args, {}, iters, device)
+                    times[v.name] += attempt(v, where, lambda: _cuda_times(v.fn, v.args, {}, iters, device)) or []
                 elif cuda:
                     torch.cuda.reset_peak_memory_stats(device)
                     others = held_by_others(v.fn, v.args, {}, device, owned[v.name])  # the other variants' trainers
-                    times[v.name] += _cuda_times(v.fn, v.args, {}, iters, device)
-                    got = cuda_peak_memory(device, False, others)
-                    if v.name not in peak or got[0] > peak[v.name][0]:
-                        peak[v.name] = got
+                    got_times = attempt(v, where, lambda: _cuda_times(v.fn, v.args, {}, iters, device))
+                    if got_times is not None:
+                        times[v.name] += got_times
+                        got = cuda_peak_memory(device, False, others)
+                        if v.name not in peak or got[0] > peak[v.name][0]:
+                            peak[v.name] = got
                 else:
-                    for _ in range(iters):
-                        t0 = time.perf_counter()
-                        v.fn(*v.args)
-                        times[v.name].append(1e3 * (time.perf_counter() - t0))
-                bar.update(1)
+                    times[v.name] += attempt(v, where, lambda: run_cpu(v)) or []
     bar.close()
-    for v in variants if cuda else []:
+    kept = [v for v in variants if v.name not in dropped]
+    for v in kept if cuda else []:
         if graphs[v.name]:  # its memory from one more call, untimed
             # Give back cached blocks nobody uses so that "reserved" counts what this step holds (its graph pools stay:
             # they are in use). After the timed rounds, not inside them: the variant timed after an empty_cache would
@@ -1043,12 +1095,12 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
             v.fn(*v.args)
             sync()
             held, reserved, kind = cuda_peak_memory(device, True, others)
-            shared = [n for n, g in graphs.items() if g]
+            shared = [n for n, g in graphs.items() if g and n not in dropped]
             if len(shared) > 1:  # one pool per GPU holds every compiled step's graphs: not this step's alone
                 kind += f", one pool shared by the {len(shared)} CUDA-graph steps"
             peak[v.name] = (held, reserved, kind)
     measurements = []
-    for v in variants:
+    for v in kept:
         if cuda:
             mem, reserved, kind = peak[v.name]
         else:
@@ -1057,7 +1109,8 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
                                          reserved, v.flops, v.precision or _precision_of(v.fn)))
     spreads = {m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in measurements}
     noise = load.noise(spreads)
-    return Comparison(measurements, noise, baseline=baseline, rounds=rounds)
+    return Comparison(measurements, noise, baseline=[m.name for m in measurements].index(base_name), rounds=rounds,
+                      dropped=dropped)
 
 
 def compare_in_processes(configs: dict[str, dict[str, Any]], *, batch_size: int, rounds: int = 3, iters: int = 5,

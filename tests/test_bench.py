@@ -342,6 +342,59 @@ def test_compare_interleaves_rounds_and_times_first_calls_apart():
     assert c.noise.threads == torch.get_num_threads()
 
 
+def _runs_out_at(call_no, calls, name):
+    """A step that runs out of memory on its ``call_no``-th call and every call after (as a batch too big would)."""
+    def step():
+        calls.append(name)
+        if calls.count(name) >= call_no:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return step
+
+
+def test_compare_drops_a_variant_that_runs_out_of_memory_and_says_where(monkeypatch):
+    """on_oom="drop": a batch that fit alone but not beside the others is left out from then on, its memory freed,
+    the others timed as before; the report names it. The default lets the error through, and so does any other error."""
+    freed = []
+    monkeypatch.setattr(bench, "free_memory", lambda device=None, compiled=False: freed.append(device))
+    calls = []
+    variants = [bench.Variant("batch 4", _sleeper(1, calls, "a"), batch_size=4),
+                bench.Variant("batch 8", _sleeper(1, calls, "b"), batch_size=8),
+                bench.Variant("batch 16", _runs_out_at(4, calls, "c"), batch_size=16)]  # warm-up 2, then round 1, round 2
+    c = bench.compare(variants, rounds=4, iters=1, warmup=2, memory=False, progress=False, on_oom="drop", baseline=1)
+    assert [m.name for m in c.measurements] == ["batch 4", "batch 8"] and c.baseline.name == "batch 8"
+    assert c.dropped == {"batch 16": "timed round 2"} and len(freed) == 1
+    assert calls.count("c") == 4 and [len(m.times_ms) for m in c.measurements] == [4, 4]  # never called once dropped
+    assert "**batch 16**: ran out of memory beside the other variants (timed round 2)" in c.report()
+    calls.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        bench.compare(variants, rounds=4, iters=1, warmup=2, memory=False, progress=False)
+    calls.clear()
+    first = bench.compare([variants[0], bench.Variant("huge", _runs_out_at(1, calls, "h"), batch_size=64)],
+                          rounds=2, iters=1, warmup=1, memory=False, progress=False, on_oom="drop")
+    assert first.dropped == {"huge": "its first call"} and calls.count("h") == 1
+    calls.clear()
+    with pytest.raises(RuntimeError, match="the baseline 'batch 16' ran out of memory .*Lower its batch size"):
+        bench.compare(variants, rounds=4, iters=1, warmup=2, memory=False, progress=False, on_oom="drop", baseline=2)
+
+    def broken():
+        raise ValueError("not memory")
+    with pytest.raises(ValueError, match="not memory"):
+        bench.compare([variants[0], bench.Variant("broken", broken, batch_size=4)], rounds=2, iters=1, warmup=1,
+                      memory=False, progress=False, on_oom="drop")
+    with pytest.raises(ValueError, match="on_oom must be 'raise' or 'drop'"):
+        bench.compare(variants, on_oom="skip")
+
+
+def test_compare_on_cuda_drops_an_out_of_memory_variant_before_reading_its_memory(monkeypatch):
+    _fake_cuda(monkeypatch, [])
+    calls = []
+    c = bench.compare([bench.Variant("eager", lambda: None, (), 1, cuda_graphs=False),
+                       bench.Variant("big", _runs_out_at(3, calls, "big"), (), 1, cuda_graphs=False),
+                       bench.Variant("graph", _runs_out_at(2, calls, "g"), (), 1, cuda_graphs=True)],
+                      rounds=3, iters=1, warmup=1, device="cuda", progress=False, on_oom="drop")
+    assert [m.name for m in c.measurements] == ["eager"] and c.dropped == {"big": "timed round 2", "graph": "timed round 1"}
+
+
 def _fake(name, ms, spread=0.02, batch=8):
     times = [ms * (1 - spread), ms, ms * (1 + spread)]
     return bench._measurement(name, torch.device("cpu"), batch, ms, times, None, "n/a", None, None, "fp32")
