@@ -1378,16 +1378,12 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return torch.matmul((torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5).softmax(dim=-1), v)
 
 
-def attention_core_ms(model_or_trainer: Any, x: torch.Tensor, *, iters: int = 5, warmup: int = 2,
-                      attention: Callable[..., torch.Tensor] | None = None) -> float:
-    """Milliseconds that the attention cores of one training step take when timed alone: ``attention``
-    (default ``math_attention``), forward and backward, on the q, k, v every attention block receives for
-    ``x`` (their shapes, strides and dtype), summed over the blocks; the median of ``iters`` timed calls.
-
-    The projections around it (the qkv and output 1x1 convolutions, the norm) are not in it: they run the same
-    whichever attention kernel is used. So this is what a faster attention kernel can take off the step at most:
-    see ``amdahl_bound``.
-    """
+def attention_cores(model_or_trainer: Any, x: torch.Tensor, attention: Callable[..., torch.Tensor] | None = None
+                    ) -> Callable[[], None]:
+    """A function that runs the attention cores of one training step: ``attention`` (default ``math_attention``),
+    forward and backward, on the q, k, v every attention block receives for ``x`` (their shapes, strides and dtype,
+    under the trainer's autocast). Time it alone with :func:`measure`, or against another kernel's cores in
+    interleaved rounds with :func:`compare` (``Variant(name, attention_cores(...), (), batch)``)."""
     fn = attention or math_attention
     autocast = getattr(model_or_trainer, "_autocast", contextlib.nullcontext)  # a bf16 step's softmax runs in fp32
     inputs = [tuple(a.detach().clone().requires_grad_(True) for a in qkv) for qkv in every_attention_input(model_or_trainer, x)]
@@ -1399,7 +1395,22 @@ def attention_core_ms(model_or_trainer: Any, x: torch.Tensor, *, iters: int = 5,
             out.backward(torch.ones_like(out))
             q.grad = k.grad = v.grad = None
 
-    return measure(cores, batch_size=x.shape[0], warmup=warmup, iters=iters, device=inputs[0][0].device).median_ms
+    cores.inputs = inputs  # for measure()'s device, and for a reader who wants the shapes
+    return cores
+
+
+def attention_core_ms(model_or_trainer: Any, x: torch.Tensor, *, iters: int = 5, warmup: int = 2,
+                      attention: Callable[..., torch.Tensor] | None = None) -> float:
+    """Milliseconds that the attention cores of one training step take when timed alone (:func:`attention_cores`),
+    summed over the blocks; the median of ``iters`` timed calls.
+
+    The projections around it (the qkv and output 1x1 convolutions, the norm) are not in it: they run the same
+    whichever attention kernel is used. So this is what a faster attention kernel can take off the step at most:
+    see ``amdahl_bound``. To say whether one kernel's cores are faster than another's, time both in one
+    :func:`compare`: one median each, timed one after the other, has no spread to judge by.
+    """
+    cores = attention_cores(model_or_trainer, x, attention)
+    return measure(cores, batch_size=x.shape[0], warmup=warmup, iters=iters, device=cores.inputs[0][0].device).median_ms
 
 
 def amdahl_bound(step_ms: float, part_ms: float) -> float:

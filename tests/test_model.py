@@ -195,6 +195,13 @@ def test_every_attention_block_is_timed_and_the_bound_is_amdahls():
                           atol=1e-5)
     ms = bench.attention_core_ms(model, torch.randn(2, 3, 32, 32), iters=2, warmup=1)
     assert ms > 0 and all(p.grad is None for p in model.parameters())  # the cores only, not the model's backward
+    # 05 times math's cores against SDPA's in interleaved rounds, each with its spread
+    cores = {n: bench.attention_cores(model, torch.randn(2, 3, 32, 32), attention=fn)
+             for n, fn in (("math", None), ("sdpa", torch.nn.functional.scaled_dot_product_attention))}
+    assert [tuple(q.shape) for q, _, _ in cores["sdpa"].inputs] == [(2, 1, 256, 64), (2, 1, 64, 64), (2, 1, 256, 64), (2, 1, 256, 64)]
+    cmp = bench.compare([bench.Variant(n, fn, (), 2) for n, fn in cores.items()], rounds=3, iters=1, warmup=1,
+                        memory=False, progress=False, device="cpu")
+    assert [len(m.times_ms) for m in cmp.measurements] == [3, 3] and all(p.grad is None for p in model.parameters())
     assert bench.amdahl_bound(100.0, 20.0) == pytest.approx(1.25) and bench.amdahl_bound(100.0, 0.0) == 1.0
     assert bench.amdahl_bound(100.0, 100.0) == float("inf")
     with pytest.raises(ValueError, match="step_ms > 0"):
