@@ -86,6 +86,30 @@ def per_rank(df: pd.DataFrame | None) -> pd.DataFrame | None:
     return out
 
 
+def host_wait_share(idle: pd.DataFrame | None, rank: int = 0) -> tuple[float, int] | None:
+    """Of the GPU idle time on the stream that runs the step's kernels, the share that was host wait (the GPU idle
+    because the CPU had not enqueued the next kernel yet), from HTA's idle-time breakdown; with that stream's id.
+
+    HTA classifies idle time per stream. A step's kernels run on one stream, and side streams (copies, the
+    profiler's, NCCL's) sit idle nearly all the step with almost nothing classified but "other": averaging the
+    streams' host-wait ratios, or summing their idle times, dilutes the one stream that matters. That stream is the
+    one with the most idle time classified as host or kernel wait: the gaps between its own back-to-back kernels.
+    None without the table or its columns.
+    """
+    need = {"rank", "stream", "idle_category", "idle_time"}
+    if idle is None or not need <= set(idle.columns) or not (idle["rank"] == rank).any():
+        return None
+    mine = idle[idle["rank"] == rank]
+    between = mine[mine["idle_category"].isin(["host_wait", "kernel_wait"])].groupby("stream")["idle_time"].sum()
+    if between.empty or between.max() <= 0:
+        return None
+    stream = int(between.idxmax())
+    on = mine[mine["stream"] == stream]
+    total = float(on["idle_time"].sum())
+    host = float(on.loc[on["idle_category"] == "host_wait", "idle_time"].sum())
+    return (host / total if total > 0 else 0.0), stream
+
+
 # The CPU counterparts keep HTA's column names so that the same charts draw both; shown in a table, those names
 # would call operator time "kernel time" and time outside operators "idle". These are what they mean on a CPU.
 CPU_NAMES = {"idle_time(us)": "outside operators (us)", "compute_time(us)": "compute operators (us)",

@@ -507,3 +507,18 @@ def test_the_launch_table_says_how_many_kernels_ran_inside_cuda_graphs():
     baseline = final.with_name("baseline")  # eager: every kernel launched one by one
     rep = traces.analyze(baseline, verbose=False)
     assert rep.graph_kernels == {0: 0} and "kernels in CUDA graphs (not in this table)" not in rep.launch_summary
+
+
+def test_host_wait_is_read_on_the_stream_that_runs_the_step_not_averaged_over_side_streams():
+    """07 said how much of the GPU's idle time was host wait by averaging HTA's per-stream ratios. In the H200's eager
+    baseline, stream 7 runs the step (host wait 43% of its idle time); streams 30 and 31 sit idle with ~99% 'other'.
+    A side stream with a host-wait row of its own would have pulled the average toward zero."""
+    baseline = Path(__file__).resolve().parents[1] / "data/reference/h200/traces/09_putting_it_together/baseline"
+    idle = traces.analyze(baseline, verbose=False).idle
+    share, stream = traces.host_wait_share(idle)
+    assert stream == 7 and share == pytest.approx(0.43, abs=0.01)
+    side = pd.DataFrame({"rank": [0] * 5, "stream": [7, 7, 30, 30, 31], "idle_category": [
+        "host_wait", "kernel_wait", "host_wait", "other", "other"], "idle_time": [40.0, 60.0, 1.0, 999.0, 500.0]})
+    assert traces.host_wait_share(side) == (0.4, 7)  # the mean of the ratios would say (0.4 + 0.001) / 2
+    assert traces.host_wait_share(None) is None and traces.host_wait_share(side, rank=1) is None
+    assert traces.host_wait_share(side.drop(columns="stream")) is None
