@@ -26,6 +26,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .env import device_name
+from .text import plural
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -894,7 +895,7 @@ class Comparison:
         if self.noise.busy:
             return "not compared: too noisy (see the warning)"
         if self.too_few(a, b):
-            return (f"not compared with {b.name}: {min(a.iters, b.iters)} timed call(s), too few for a spread "
+            return (f"not compared with {b.name}: {plural(min(a.iters, b.iters), 'timed call')}, too few for a spread "
                     f"(a ratio needs {MIN_TIMED} or more of each)")
         if self.too_close_for_the_spread(a, b):
             return (f"not compared with {b.name}: the repeats spread widely and the two ranges lie less than "

@@ -9,6 +9,8 @@ import re
 
 import torch
 
+from .text import plural  # noqa: F401 - the notebooks call env.plural
+
 
 def device_name(device: torch.device | str | None = None) -> str:
     """"NVIDIA H100 80GB HBM3" for a GPU, "CPU (<processor>, N threads)" for the CPU."""

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .text import plural
+
 # The rows each measuring notebook must write (regular expressions on the ``variant`` column),
 # in both modes. Notebooks that measure nothing (00, 01) have none.
 EXPECTED: dict[str, list[str]] = {
@@ -58,7 +60,7 @@ class Report:
         return not self.problems
 
     def text(self) -> str:
-        head = f"{self.notebook}: {'complete' if self.ok else f'{len(self.problems)} problem(s)'}"
+        head = f"{self.notebook}: {'complete' if self.ok else plural(len(self.problems), 'problem')}"
         return "\n".join([head] + [f"  ok      {c}" for c in self.checked] + [f"  MISSING {p}" for p in self.problems])
 
 
@@ -136,7 +138,7 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
         errors = [o.get("ename", "error") for c in book.get("cells", []) for o in c.get("outputs", [])
                   if o.get("output_type") == "error"]
         if errors:
-            report.problems.append(f"executed notebook {executed}: {len(errors)} cell(s) ended in an error ({errors[0]})")
+            report.problems.append(f"executed notebook {executed}: {plural(len(errors), 'cell')} ended in an error ({errors[0]})")
         else:
             report.checked.append(f"executed notebook {Path(executed).name}: no errors")
     return report

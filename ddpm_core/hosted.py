@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from .paths import REPO_ROOT
+from .text import plural
 
 TAG = "hosted-install"
 CLONE = "~/ddpm-series"
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{changed} notebook(s) now clone {args.url.strip()}")
+    print(f"{plural(changed, 'notebook')} now clone {args.url.strip()}")
     return 0
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from .paths import REPO_ROOT
+from .text import plural
 
 SOLUTION_TAG = "solution"
 
@@ -61,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     for nb in chosen:
         path, removed = strip_solutions(nb, out / nb.name)
         total += removed
-        print(f"{path.relative_to(out.parent) if out.parent in path.parents else path}: {removed} solution cell(s) removed")
+        print(f"{path.relative_to(out.parent) if out.parent in path.parents else path}: {plural(removed, 'solution cell')} removed")
     (out / "README.md").write_text(
         "# Student copies\n\nMade by `make student` from `notebooks/`: the same notebooks without the worked solutions "
         "(cells tagged `solution`). Run them from this folder or copy them next to `notebooks/`; they import `ddpm_core` "
         "like the originals.\n")
-    print(f"{len(chosen)} notebook(s), {total} solution cell(s) removed -> {out}")
+    print(f"{plural(len(chosen), 'notebook')}, {plural(total, 'solution cell')} removed -> {out}")
     return 0
 
 

@@ -411,7 +411,7 @@ def test_no_ratio_from_fewer_timed_calls_than_make_a_spread():
     fast = bench._measurement("fast", torch.device("cpu"), 8, 50, [50.0, 50.1], None, "n/a", None, None, "fp32")
     c = bench.Comparison([base, fast], _quiet(base, fast))
     assert c.separated("fast") and c.speedup("fast") is None
-    assert "2 timed call(s), too few" in c.verdict("fast") and c.factor("fast") == "too few repeats"
+    assert "2 timed calls, too few" in c.verdict("fast") and c.factor("fast") == "too few repeats"
     assert "no spread to call a winner" in c.best_sentence()
     three = _fake("fast3", 50)
     assert bench.Comparison([_fake("base", 100), three], _quiet(three)).speedup("fast3") == pytest.approx(2.0, rel=1e-6)

@@ -1,6 +1,7 @@
 """The notebooks are committed clean and follow the pattern; the runner fails loudly. (They are executed in\nsmoke mode by tests/test_reference.py, through the reference command.)"""
 
 import json
+import re
 
 import nbformat
 import pytest
@@ -209,3 +210,17 @@ def test_every_code_cell_compiles(nb):
         if cell.cell_type == "code":
             source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
             compile(source, f"{nb.name}, cell {i}", "exec")
+
+
+def test_rendered_counts_agree_with_their_nouns():
+    """Sentences say "1 call" and "3 calls", never "call(s)": env.plural (ddpm_core.text, torch-free for the tools
+    that run before torch is installed)."""
+    from ddpm_core import env, text
+
+    assert env.plural is text.plural
+    assert [text.plural(n, "call") for n in (0, 1, 2)] == ["0 calls", "1 call", "2 calls"]
+    assert text.plural(1, "batch", "batches") == "1 batch" and text.plural(4, "batch", "batches") == "4 batches"
+    rendered = re.compile(r"\{[^{}]*\}\s*[A-Za-z-]+\(s\)")  # an f-string count followed by "word(s)"
+    for nb in NOTEBOOKS:
+        code = "\n".join(c.source for c in nbformat.read(nb, as_version=4).cells if c.cell_type == "code")
+        assert not rendered.search(code), (nb.name, rendered.search(code).group(0))
