@@ -689,7 +689,7 @@ class CpuLoad:
         return out
 
     def _top_others(self, wall: float, n: int = 3) -> tuple[list[str], float]:
-        """The ``n`` other processes that used the most CPU over the block, as 'name (pid P) S% of one core', and the
+        """The ``n`` other processes that used the most CPU over the block, as 'name, pid P: S% of one core', and the
         CPU seconds of every other process this user can read."""
         mine = {self._proc.pid} | {c.pid for c in self._proc.children(recursive=True)}
         used = []
@@ -699,8 +699,10 @@ class CpuLoad:
             t0 = self._procs0.get(pid, (name, 0.0))[1]  # a process born during the block: all of its time
             if t1 - t0 > 0:
                 used.append((t1 - t0, name, pid))
-        return ([f"{name} (pid {pid}) {100 * d / wall:.0f}% of one core"
-                 for d, name, pid in sorted(used, reverse=True)[:n] if d > self.tick_s() * 2], sum(d for d, _, _ in used))
+        # no process that rounds to 0% of a core: "the busiest" would name idle ones
+        return ([f"{name}, pid {pid}: {100 * d / wall:.0f}% of one core"
+                 for d, name, pid in sorted(used, reverse=True)[:n] if d > self.tick_s() * 2 and 100 * d / wall >= 0.5],
+                sum(d for d, _, _ in used))
 
     def _kernel_side(self) -> float:
         """CPU seconds so far in interrupts and in a hypervisor's steal: busy time that belongs to no process."""
@@ -770,7 +772,7 @@ class Noise:
                        f"{self.load_1min - self.threads:.1f} above this run's own {self.threads} threads")
         if self.other_cpu_share > NOISY_OTHER_CPU:
             out.append(f"other processes used {self.other_cpu_share:.0%} of the CPU while it ran"
-                       + (f" (the busiest: {', '.join(self.top_others)})" if self.top_others else "")
+                       + (f" (the busiest: {'; '.join(self.top_others)})" if self.top_others else "")
                        + (f"; {self.unnamed}" if self.unnamed else ""))
         return out
 
@@ -893,7 +895,7 @@ class Comparison:
         if a is b:
             return "baseline"
         if self.noise.busy:
-            return "not compared: too noisy (see the warning)"
+            return "not compared, too noisy (see the warning)"
         if self.too_few(a, b):
             return (f"not compared with {b.name}: {plural(min(a.iters, b.iters), 'timed call')}, too few for a spread "
                     f"(a ratio needs {MIN_TIMED} or more of each)")
@@ -1428,12 +1430,14 @@ def part_change_bounds(step_ms: float, part_ms: float, new_part_ms: float) -> tu
     takes ``part_ms`` of the ``step_ms`` step, and ``new_part_ms`` after the change (both timed alone).
 
     Returns ``(lowest, highest)``: the step cannot get slower than adding the part's extra time on top
-    (step / (step + max(new - part, 0))), nor faster than making the part free (``amdahl_bound``). A measured factor
+    (step / (step + max(new - part, 0)); 1.0 where the part got faster), nor faster than making the part free
+    (``amdahl_bound``) where the part got faster, nor faster at all (1.0) where it got slower. A measured factor
     outside this range is not the change's doing: it is drift between the rounds that the interleaving did not cancel.
     """
     if step_ms <= 0 or part_ms < 0 or new_part_ms < 0:
         raise ValueError(f"need step_ms > 0 and part times >= 0, got {step_ms}, {part_ms} and {new_part_ms}")
-    return step_ms / (step_ms + max(new_part_ms - part_ms, 0.0)), amdahl_bound(step_ms, part_ms)
+    return (step_ms / (step_ms + max(new_part_ms - part_ms, 0.0)),
+            amdahl_bound(step_ms, part_ms) if new_part_ms < part_ms else 1.0)
 
 
 def spread_margin(*measurements: "Measurement") -> float:

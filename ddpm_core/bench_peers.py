@@ -6,8 +6,8 @@ lucidrains implementations of the same DDPM training, measured in one process, i
 
 Contenders (each a full training step: noise, forward, loss, backward, clipping, optimizer, EMA):
 
-- ``ours: baseline``: ``TrainConfig()`` (fp32, eager, math attention), the series' starting point;
-- ``ours: fast``: ``TrainConfig.fast()``, where the series ends;
+- ``ours (baseline)``: ``TrainConfig()`` (fp32, eager, math attention), the series' starting point;
+- ``ours (fast)``: ``TrainConfig.fast()``, where the series ends;
 - ``diffusers``: ``UNet2DModel`` with the configuration of ``google/ddpm-cifar10-32`` (the paper's model
   as diffusers publishes it: same channels, attention at 16x16, so the same FLOPs), trained the way
   diffusers' ``examples/unconditional_image_generation/train_unconditional.py`` does: ``DDPMScheduler``
@@ -156,9 +156,9 @@ def contenders(batch_size: int, device: torch.device, smoke: bool, fast_batch: i
         return fn, peers_precision, bench.count_flops(fn)  # its own step, as FlopCounterMode sees it
 
     makers: list[tuple[str, Callable[[], tuple[Callable[[], Any], str, int]]]] = [
-        ("ours: baseline", lambda: ours(False, batch_size, device, smoke)),
-        ("ours: fast", lambda: ours(True, batch_size, device, smoke)),
-        *([(f"ours: fast, batch {fast_batch}", lambda: ours(True, fast_batch, device, smoke))]
+        ("ours (baseline)", lambda: ours(False, batch_size, device, smoke)),
+        ("ours (fast)", lambda: ours(True, batch_size, device, smoke)),
+        *([(f"ours (fast, batch {fast_batch})", lambda: ours(True, fast_batch, device, smoke))]
           if fast_batch and fast_batch != batch_size else []),
         ("diffusers", lambda: peer(diffusers_step)),
         ("lucidrains", lambda: peer(lucidrains_step)),
@@ -177,7 +177,7 @@ def contenders(batch_size: int, device: torch.device, smoke: bool, fast_batch: i
             skipped.append(f"{name}: could not be built here ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                            "check its version against this torch (pip install -e '.[peers]')")
             continue
-        b = fast_batch if name.startswith("ours: fast, batch") else batch_size
+        b = fast_batch if name.startswith("ours (fast, batch") else batch_size
         variants.append(bench.Variant(name, fn, (), b, flops=flops, precision=precision))
     return variants, skipped
 
@@ -211,7 +211,7 @@ def run(batch_size: int | None = None, smoke: bool = False, rounds: int = 5, ite
 def same_network(name: str, smoke: bool) -> bool:
     """Whether contender ``name`` runs the network the ceiling was measured on: the paper's model (our
     tiny model in smoke mode, where diffusers runs a small UNet2DModel of its own)."""
-    return name.startswith("ours:") or (name == "diffusers" and not smoke)
+    return name.startswith("ours (") or (name == "diffusers" and not smoke)
 
 
 def ceiling_column(table, ceiling, smoke: bool, measurements: list[bench.Measurement]) -> str:

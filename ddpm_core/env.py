@@ -68,7 +68,7 @@ def cpu_bf16() -> tuple[bool, str]:
         # oneDNN's kernels (aten::mkldnn_convolution) both times.
         return True, (f"This CPU ({capability}) has bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions can run "
                       "on oneDNN's bf16 kernels instead of the generic fallback. Whether that beats fp32 depends on the "
-                      "CPU and the layer sizes: the measurement below says.")
+                      "CPU and the layer sizes, so it is measured here, not assumed.")
     return False, (f"This CPU ({capability}) has no bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions fall back "
                    "to slow generic kernels (aten::_slow_conv2d_forward), so expect a bf16 step to be much slower "
                    "than fp32 here. On a GPU (Ampere or newer) bf16 runs on tensor cores.")

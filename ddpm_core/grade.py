@@ -40,7 +40,7 @@ EXPECTED: dict[str, list[str]] = {
     "07_data_loading": [r"0 workers \(baseline\)$", r"^device-resident"],
     "08_multi_gpu": [r"^1 processes$", r"^\d+ processes$"],
     "09_putting_it_together": [r"^baseline", r"^\+ batch \d+$"],
-    "09b_the_fastest_step": [r"^ours: baseline$", r"^ours: fast$", r"^measured ceiling", r"^quality: baseline",
+    "09b_the_fastest_step": [r"^ours \(baseline\)$", r"^ours \(fast\)$", r"^measured ceiling", r"^quality: baseline",
                              r"^quality: fast"],
     "10_optimizers_and_normalization": [r"^adam$", r"^sgd$"],
 }

@@ -464,7 +464,7 @@ def test_wide_repeats_withhold_only_the_ratios_the_spread_can_explain():
     # one variant more than another: 06's bf16 step measured slower beside CPU burners than fp32, on a CPU where it was not)
     busy = bench.Comparison([fp32, bf16, close], bench.Noise(cores=2, load_1min=0.5, other_cpu_share=0.6, spreads=noise.spreads))
     assert busy.noise.busy and busy.speedup("bf16") is None and busy.factor("bf16") == "noisy"
-    assert busy.verdict("bf16") == "not compared: too noisy (see the warning)" and "too noisy" in busy.best_sentence()
+    assert busy.verdict("bf16") == "not compared, too noisy (see the warning)" and "too noisy" in busy.best_sentence()
     # noisy(): the notebooks' test for "the noise withheld this ratio" (factor == "noisy"), on both kinds of noise
     assert busy.noisy("bf16") and busy.noisy("close") and c.noisy("close")
     assert not c.noisy("bf16") and not c.noisy("same")  # stated, and overlapping: not withheld by the noise
@@ -514,7 +514,7 @@ def test_compare_flags_a_cpu_burning_neighbour_instead_of_stating_a_speedup(tmp_
     assert "Too noisy to compare" in report and "x the throughput" not in report
     assert "noisy" in list(c.table()["speedup"])[1]
     # the warning names the busiest other processes (the burners, or the suite's notebooks beside them), never this one
-    assert "(the busiest: " in report and f"(pid {os.getpid()})" not in report, report
+    assert "(the busiest: " in report and f"pid {os.getpid()}:" not in report, report
 
 
 def test_saved_for_backward_grows_with_the_batch_and_shrinks_with_fused_attention(tmp_path):
@@ -847,7 +847,7 @@ def test_a_busy_warning_says_how_much_of_the_other_work_no_process_it_can_read_a
     hidden = block(other_named=1.0, kernel=2.0)
     assert hidden.other_share == pytest.approx((8.0 - 0.1) / 20)
     reason = " ".join(hidden.noise().busy_reasons)
-    assert "(the busiest: burner (pid 2) 10% of one core); 34% of the CPU was in no process it could read" in reason
+    assert "(the busiest: burner, pid 2: 10% of one core); 34% of the CPU was in no process it could read" in reason
     assert "interrupts and steal: 10%" in reason
     named = block(other_named=7.5, kernel=0.0)
     assert named.unnamed == "" and "no process" not in " ".join(named.noise().busy_reasons)

@@ -12,7 +12,7 @@ def test_bench_peers_runs_in_smoke_mode_and_writes_one_row_per_contender(tmp_pat
     assert bench_peers.main(["--smoke", "--fast-batch", "6", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     rows = results.load(out)
-    assert list(rows["variant"]) == ["ours: baseline", "ours: fast", "ours: fast, batch 6", "diffusers", "lucidrains"], printed
+    assert list(rows["variant"]) == ["ours (baseline)", "ours (fast)", "ours (fast, batch 6)", "diffusers", "lucidrains"], printed
     assert list(rows["batch_size"]) == [4, 4, 6, 4, 4]
     assert (rows["flops_per_step"] > 0).all() and rows["device_name"].notna().all()
     assert "skipped" not in printed
@@ -42,7 +42,7 @@ def test_a_peer_that_fails_to_build_is_skipped_with_its_error_and_ours_are_still
 
     monkeypatch.setattr(bench_peers, "diffusers_step", broken)
     variants, skipped = bench_peers.contenders(2, torch.device("cpu"), smoke=True)
-    assert [v.name for v in variants if v.name.startswith("ours")] == ["ours: baseline", "ours: fast"]
+    assert [v.name for v in variants if v.name.startswith("ours")] == ["ours (baseline)", "ours (fast)"]
     assert "diffusers" not in [v.name for v in variants]
     assert any(s.startswith("diffusers: could not be built here (RuntimeError: Failed to import") for s in skipped), skipped
     monkeypatch.setattr(bench_peers, "ours", broken)

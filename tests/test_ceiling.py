@@ -70,7 +70,7 @@ def test_measure_times_the_tiny_model_and_its_conv_flops_match_the_step_count(tm
 
 
 def test_the_ceiling_column_applies_only_to_the_network_it_was_measured_on():
-    names, tflops = ["ours: baseline", "ours: fast", "diffusers", "lucidrains"], [1.0, 2.0, 1.5, 3.0]
+    names, tflops = ["ours (baseline)", "ours (fast)", "diffusers", "lucidrains"], [1.0, 2.0, 1.5, 3.0]
     table = pd.DataFrame({"variant": names, "TFLOP/s": [round(v, 0) for v in tflops]})
     measured = [SimpleNamespace(name=n, tflops=v) for n, v in zip(names, tflops)]
     c = _fake()
@@ -93,7 +93,7 @@ def test_a_noisy_ceiling_is_marked_rough_in_the_column_and_on_both_figures():
     """Timings that spread widely must not print as 71.8% or as a clean chart."""
     from ddpm_core import plots
 
-    names, tflops = ["ours: baseline", "ours: fast"], [1.0, 2.0]
+    names, tflops = ["ours (baseline)", "ours (fast)"], [1.0, 2.0]
     table = pd.DataFrame({"variant": names, "batch": [4, 4], "img/s": [1.0, 2.0], "speedup": ["1.00x", "2.00x"],
                           "TFLOP/s": tflops})
     measured = [SimpleNamespace(name=n, tflops=v) for n, v in zip(names, tflops)]

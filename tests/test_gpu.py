@@ -372,7 +372,7 @@ def test_bench_peers_and_the_quality_check_run_on_the_gpu_with_the_compiled_fast
     out = tmp_path / "peers.csv"
     assert bench_peers.main(["--smoke", "--device", "cuda", "--fast-batch", "8", "--out", str(out)]) == 0
     rows = results.load(out)
-    assert {"ours: baseline", "ours: fast", "ours: fast, batch 8"} <= set(rows["variant"]), capsys.readouterr().out
+    assert {"ours (baseline)", "ours (fast)", "ours (fast, batch 8)"} <= set(rows["variant"]), capsys.readouterr().out
     assert not rows["device_name"].str.startswith("CPU").any()
     r = quality.run(model="tiny", steps=12, batch_size=4, lr=1e-3, warmup_steps=0, ema_decay=0.9, dataset="synthetic",
                     data_root=data_root, synthetic_size=256, heldout_batches=1, n_samples=4, sample_steps=5, device="cuda",

@@ -409,7 +409,7 @@ def test_bar_labels_stay_inside_the_axes_and_off_the_reference_lines():
                         shapes=shapes, conv_flops=int(0.0695e12 * 0.01), conv_ms=10.0, matmul_n=256, matmul_tflops=0.0739,
                         step_flops=int(0.0695e12 * 0.012), datasheet=None)
     placed(plots.ceiling_figure(c, label="t").axes[0])
-    table = pd.DataFrame({"variant": ["ours: baseline", "ours: fast"], "batch": [4, 4], "img/s": [27.0, 30.0],
+    table = pd.DataFrame({"variant": ["ours (baseline)", "ours (fast)"], "batch": [4, 4], "img/s": [27.0, 30.0],
                           "speedup": ["1.00x (baseline)", "no measurable difference"], "TFLOP/s": [0.046, 0.069]})
     fig = plots.peers_figure(table, ceiling=c, label="t")
     for ax in fig.axes:

@@ -522,3 +522,24 @@ def test_host_wait_is_read_on_the_stream_that_runs_the_step_not_averaged_over_si
     assert traces.host_wait_share(side) == (0.4, 7)  # the mean of the ratios would say (0.4 + 0.001) / 2
     assert traces.host_wait_share(None) is None and traces.host_wait_share(side, rank=1) is None
     assert traces.host_wait_share(side.drop(columns="stream")) is None
+
+
+def test_the_diff_summary_says_when_autocast_doubled_a_count_not_the_work():
+    """09's trace diff read 'aten::conv2d (43 -> 86 calls)' beside 'aten::convolution (43 -> 43)': autocast's layer
+    calls conv2d again after casting, and the profiler records both. The sentence says so instead of leaving twice the
+    convolutions to be read from it."""
+    import torch
+    from torch.profiler import profile
+
+    m, x = torch.nn.Conv2d(3, 4, 3), torch.randn(1, 3, 8, 8)
+    with profile() as prof, torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts["aten::conv2d"] == 2 * counts["aten::convolution"]  # the premise, on this torch
+    changed = pd.DataFrame({"name": ["aten::conv2d", "aten::convolution", "aten::add"], "calls before": [43.0, 43.0, 10.0],
+                            "calls after": [86.0, 43.0, 20.0], "time change (us)": [-500.0, -400.0, 5.0],
+                            "change": ["more calls", "same calls", "more calls"]})
+    text = traces.diff_summary(changed)
+    assert "`aten::conv2d` doubled or halved its count without doing twice or half the work" in text
+    assert "`aten::add`" not in text.split("Biggest change")[1]
+    assert "autocast" not in traces.diff_summary(changed.iloc[1:])
