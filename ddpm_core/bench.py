@@ -1014,6 +1014,7 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
 
     first: dict[str, float] = {}
     dropped: dict[str, str] = {}
+    rewarm = [False]
     base_name = variants[baseline].name
 
     def attempt(v: Variant, where: str, thunk: Callable[[], Any]) -> Any:
@@ -1031,6 +1032,7 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
         # after the except clause: the traceback (and the failed step's tensors) is gone, so the cache can be freed
         dropped[v.name] = where
         free_memory(device)
+        rewarm[0] = True  # the others' cached blocks went with it: each pays for them again, untimed, before its next timing
         return None
 
     def run_first(v: Variant) -> float:
@@ -1071,6 +1073,12 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
                 bar.update(1)
                 if v.name in dropped:
                     continue
+                if rewarm[0]:  # after a drop, one untimed call of every variant left, before any is timed again
+                    rewarm[0] = False
+                    for w in variants:
+                        attempt(w, f"the untimed call after a drop, before timed round {r + 1}", lambda: (w.fn(*w.args), sync()))
+                    if v.name in dropped:
+                        continue
                 where = f"timed round {r + 1}"
                 if cuda and graphs[v.name]:  # its memory is read once, after the rounds (below)
                     times[v.name] += attempt(v, where, lambda: _cuda_times(v.fn, v.args, {}, iters, device)) or []
@@ -1098,7 +1106,7 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
             v.fn(*v.args)
             sync()
             held, reserved, kind = cuda_peak_memory(device, True, others)
-            shared = [n for n, g in graphs.items() if g and n not in dropped]
+            shared = [n for n, g in graphs.items() if g]  # a dropped one's graphs may still sit in the pool
             if len(shared) > 1:  # one pool per GPU holds every compiled step's graphs: not this step's alone
                 kind += f", one pool shared by the {len(shared)} CUDA-graph steps"
             peak[v.name] = (held, reserved, kind)
@@ -1425,19 +1433,29 @@ def amdahl_bound(step_ms: float, part_ms: float) -> float:
     return math.inf if rest == 0 else step_ms / rest
 
 
-def part_change_bounds(step_ms: float, part_ms: float, new_part_ms: float) -> tuple[float, float]:
+def part_change_bounds(step_ms: float, part_ms: float, new_part_ms: float, changed: str | None = "medians"
+                       ) -> tuple[float, float]:
     """The range a whole-step throughput factor can take when a change touches only one part of the step: the part
     takes ``part_ms`` of the ``step_ms`` step, and ``new_part_ms`` after the change (both timed alone).
 
-    Returns ``(lowest, highest)``: the step cannot get slower than adding the part's extra time on top
-    (step / (step + max(new - part, 0)); 1.0 where the part got faster), nor faster than making the part free
-    (``amdahl_bound``) where the part got faster, nor faster at all (1.0) where it got slower. A measured factor
-    outside this range is not the change's doing: it is drift between the rounds that the interleaving did not cancel.
+    ``changed`` says which way the part moved, from a comparison of the two parts (``Comparison.speedup``), not from
+    two medians that noise can order either way: ``"slower"`` (the new part measurably slower), ``"faster"``, or None
+    (not told apart). ``"medians"`` (the default) reads it from the two medians.
+
+    Returns ``(lowest, highest)``. The step cannot get slower than adding the part's extra time on top, nor faster than
+    making the part free (``amdahl_bound``); a part that got slower cannot make the step faster (highest 1.0), one
+    that got faster cannot make it slower (lowest 1.0), and one not told apart is bounded on both sides. A measured
+    factor outside this range is not the change's doing: it is drift between the rounds that the interleaving did not
+    cancel.
     """
     if step_ms <= 0 or part_ms < 0 or new_part_ms < 0:
         raise ValueError(f"need step_ms > 0 and part times >= 0, got {step_ms}, {part_ms} and {new_part_ms}")
-    return (step_ms / (step_ms + max(new_part_ms - part_ms, 0.0)),
-            amdahl_bound(step_ms, part_ms) if new_part_ms < part_ms else 1.0)
+    if changed == "medians":
+        changed = "slower" if new_part_ms > part_ms else "faster" if new_part_ms < part_ms else None
+    if changed not in ("slower", "faster", None):
+        raise ValueError(f"changed must be 'slower', 'faster', None or 'medians', got {changed!r}")
+    slowest = step_ms / (step_ms + abs(new_part_ms - part_ms))
+    return (1.0 if changed == "faster" else slowest, 1.0 if changed == "slower" else amdahl_bound(step_ms, part_ms))
 
 
 def spread_margin(*measurements: "Measurement") -> float:

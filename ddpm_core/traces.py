@@ -616,7 +616,8 @@ def diff_summary(changed: pd.DataFrame, what: str = "operators") -> str:
                and min(r["calls before"], r["calls after"]) > 0
                and max(r["calls before"], r["calls after"]) == 2 * min(r["calls before"], r["calls after"])]
     twice = ("" if not doubled else
-             f" {', '.join(f'`{n}`' for n in doubled)} doubled or halved its count without doing twice or half the work: "
+             f" {', '.join(f'`{n}`' for n in doubled)} doubled or halved {'its count' if len(doubled) == 1 else 'their counts'} "
+             "without doing twice or half the work: "
              "under autocast the profiler records each such call twice (autocast's layer calls the operator again once "
              "it has cast the inputs), so the count of the operator beneath (`aten::convolution` for a convolution) is "
              "the one that counts the work.")

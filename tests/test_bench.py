@@ -364,6 +364,8 @@ def test_compare_drops_a_variant_that_runs_out_of_memory_and_says_where(monkeypa
     assert [m.name for m in c.measurements] == ["batch 4", "batch 8"] and c.baseline.name == "batch 8"
     assert c.dropped == {"batch 16": "timed round 2"} and len(freed) == 1
     assert calls.count("c") == 4 and [len(m.times_ms) for m in c.measurements] == [4, 4]  # never called once dropped
+    # freeing the cache took the others' blocks too: each ran once more, untimed, before its next timed call
+    assert calls.count("a") == calls.count("b") == 2 + 4 + 1 and calls[len(calls) - calls[::-1].index("c"):][:2] == ["a", "b"]
     assert "**batch 16**: ran out of memory beside the other variants (timed round 2)" in c.report()
     calls.clear()
     with pytest.raises(torch.OutOfMemoryError):
@@ -392,7 +394,8 @@ def test_compare_on_cuda_drops_an_out_of_memory_variant_before_reading_its_memor
                        bench.Variant("big", _runs_out_at(3, calls, "big"), (), 1, cuda_graphs=False),
                        bench.Variant("graph", _runs_out_at(2, calls, "g"), (), 1, cuda_graphs=True)],
                       rounds=3, iters=1, warmup=1, device="cuda", progress=False, on_oom="drop")
-    assert [m.name for m in c.measurements] == ["eager"] and c.dropped == {"big": "timed round 2", "graph": "timed round 1"}
+    assert [m.name for m in c.measurements] == ["eager"] and c.dropped == {
+        "big": "the untimed call after a drop, before timed round 2", "graph": "timed round 1"}
 
 
 def _fake(name, ms, spread=0.02, batch=8):

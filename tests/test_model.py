@@ -213,6 +213,11 @@ def test_every_attention_block_is_timed_and_the_bound_is_amdahls():
     assert low == pytest.approx(100 / 103) and high == 1.0
     # 09's fused stage the other way round: 8 ms unfused, 5 ms fused: no slower, and at most the unfused part made free
     assert bench.part_change_bounds(100.0, 8.0, 5.0) == (1.0, pytest.approx(100 / 92))
+    # the direction from a comparison of the two parts, not from two noisy medians: not told apart, both sides open
+    assert bench.part_change_bounds(100.0, 5.0, 8.0, changed=None) == (pytest.approx(100 / 103), pytest.approx(100 / 95))
+    assert bench.part_change_bounds(100.0, 8.0, 5.0, changed="slower") == (pytest.approx(100 / 103), 1.0)
+    with pytest.raises(ValueError, match="changed must be"):
+        bench.part_change_bounds(100.0, 5.0, 8.0, changed="up")
     with pytest.raises(ValueError, match="part times >= 0"):
         bench.part_change_bounds(100.0, -1.0, 2.0)
     # 09b's run on 2026-11-28: fused_optimizer=False measured 0.95x against bounds 0.955x-1.023x, with the two steps
