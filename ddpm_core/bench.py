@@ -1103,8 +1103,16 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             others = held_by_others(v.fn, v.args, {}, device, owned[v.name])
-            v.fn(*v.args)
-            sync()
+            try:
+                v.fn(*v.args)
+                sync()
+            except Exception as e:  # noqa: BLE001 - the timings stand; only this extra call's memory reading is lost
+                if not is_out_of_memory(e):
+                    raise
+                peak[v.name] = (None, None, "not read: the untimed call that reads it ran out of memory")
+            if v.name in peak:
+                free_memory(device)  # after the except clause, whose traceback held the failed call's tensors
+                continue
             held, reserved, kind = cuda_peak_memory(device, True, others)
             shared = [n for n, g in graphs.items() if g]  # a dropped one's graphs may still sit in the pool
             if len(shared) > 1:  # one pool per GPU holds every compiled step's graphs: not this step's alone

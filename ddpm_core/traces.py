@@ -595,9 +595,12 @@ def _own_diff(before: Path, after: Path) -> pd.DataFrame:
     return df
 
 
-def diff_summary(changed: pd.DataFrame, what: str = "operators") -> str:
+def diff_summary(changed: pd.DataFrame, what: str = "operators", autocast_changed: bool = False) -> str:
     """One sentence from a ``diff`` table, its counts read from the ``change`` column (never assumed):
-    how many of the rows vanished, appeared, ran more / fewer / as many times, and the biggest change."""
+    how many of the rows vanished, appeared, ran more / fewer / as many times, and the biggest change.
+
+    ``autocast_changed``: the two traces differ in autocast (fp32 against bf16, say). Then an operator autocast wraps
+    whose count exactly doubled or halved is said to have changed in count only (see ``AUTOCAST_RECORDED_TWICE``)."""
     n = changed["change"].value_counts()
     parts = [f"**{n.get(k, 0)}** {label}" for k, label in
              [("vanished", "vanished (no calls after)"), ("appeared", "appeared (no calls before)"),
@@ -612,7 +615,7 @@ def diff_summary(changed: pd.DataFrame, what: str = "operators") -> str:
     biggest = "" if top is None else (
         f" Biggest change: `{top['name']}` ({top['calls before']:.0f} -> {top['calls after']:.0f} calls, "
         f"{top['time change (us)'] / 1e3:+.1f} ms).")
-    doubled = [r["name"] for _, r in changed.iterrows() if str(r["name"]) in AUTOCAST_RECORDED_TWICE
+    doubled = [r["name"] for _, r in changed.iterrows() if autocast_changed and str(r["name"]) in AUTOCAST_RECORDED_TWICE
                and min(r["calls before"], r["calls after"]) > 0
                and max(r["calls before"], r["calls after"]) == 2 * min(r["calls before"], r["calls after"])]
     twice = ("" if not doubled else

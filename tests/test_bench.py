@@ -387,6 +387,19 @@ def test_compare_drops_a_variant_that_runs_out_of_memory_and_says_where(monkeypa
         bench.compare(variants, on_oom="skip")
 
 
+def test_a_cuda_graph_step_that_runs_out_of_memory_on_its_memory_call_keeps_its_timings(monkeypatch):
+    """A CUDA-graph step's memory is read from one more untimed call after the rounds, with the cache emptied: if that
+    call runs out of memory, the timings stand and the memory says why it is missing (the default on_oom too)."""
+    _fake_cuda(monkeypatch, [])
+    calls = []
+    c = bench.compare([bench.Variant("eager", lambda: None, (), 1, cuda_graphs=False),
+                       bench.Variant("graph", _runs_out_at(5, calls, "g"), (), 1, cuda_graphs=True)],  # 2 warm-up, 2 timed
+                      rounds=2, iters=1, warmup=2, device="cuda", progress=False)
+    graph = c["graph"]
+    assert len(graph.times_ms) == 2 and graph.peak_memory_bytes is None and "ran out of memory" in graph.memory_kind
+    assert "MiB" not in str(graph) and c["eager"].peak_memory_bytes == 2 * 2**30
+
+
 def test_compare_on_cuda_drops_an_out_of_memory_variant_before_reading_its_memory(monkeypatch):
     _fake_cuda(monkeypatch, [])
     calls = []
