@@ -1103,15 +1103,17 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             others = held_by_others(v.fn, v.args, {}, device, owned[v.name])
+            ran_out = False
             try:
                 v.fn(*v.args)
                 sync()
             except Exception as e:  # noqa: BLE001 - the timings stand; only this extra call's memory reading is lost
                 if not is_out_of_memory(e):
                     raise
-                peak[v.name] = (None, None, "not read: the untimed call that reads it ran out of memory")
-            if v.name in peak:
+                ran_out = True
+            if ran_out:
                 free_memory(device)  # after the except clause, whose traceback held the failed call's tensors
+                peak[v.name] = (None, None, "not read: the untimed call that reads it ran out of memory")
                 continue
             held, reserved, kind = cuda_peak_memory(device, True, others)
             shared = [n for n, g in graphs.items() if g]  # a dropped one's graphs may still sit in the pool
@@ -1441,29 +1443,26 @@ def amdahl_bound(step_ms: float, part_ms: float) -> float:
     return math.inf if rest == 0 else step_ms / rest
 
 
-def part_change_bounds(step_ms: float, part_ms: float, new_part_ms: float, changed: str | None = "medians"
+def part_change_bounds(step_ms: float, part_ms: float, new_part_ms: float, *, part_factor: float | None
                        ) -> tuple[float, float]:
     """The range a whole-step throughput factor can take when a change touches only one part of the step: the part
     takes ``part_ms`` of the ``step_ms`` step, and ``new_part_ms`` after the change (both timed alone).
 
-    ``changed`` says which way the part moved, from a comparison of the two parts (``Comparison.speedup``), not from
-    two medians that noise can order either way: ``"slower"`` (the new part measurably slower), ``"faster"``, or None
-    (not told apart). ``"medians"`` (the default) reads it from the two medians.
+    ``part_factor`` is the new part's speedup over the old one from a side-by-side comparison
+    (``Comparison.speedup(new, old)``): which way the part moved, not read from two medians that noise can order
+    either way. None: the comparison did not tell the two apart.
 
     Returns ``(lowest, highest)``. The step cannot get slower than adding the part's extra time on top, nor faster than
-    making the part free (``amdahl_bound``); a part that got slower cannot make the step faster (highest 1.0), one
-    that got faster cannot make it slower (lowest 1.0), and one not told apart is bounded on both sides. A measured
+    making the part free (``amdahl_bound``); a part measurably slower cannot make the step faster (highest 1.0), one
+    measurably faster cannot make it slower (lowest 1.0), and one not told apart is bounded on both sides. A measured
     factor outside this range is not the change's doing: it is drift between the rounds that the interleaving did not
     cancel.
     """
     if step_ms <= 0 or part_ms < 0 or new_part_ms < 0:
         raise ValueError(f"need step_ms > 0 and part times >= 0, got {step_ms}, {part_ms} and {new_part_ms}")
-    if changed == "medians":
-        changed = "slower" if new_part_ms > part_ms else "faster" if new_part_ms < part_ms else None
-    if changed not in ("slower", "faster", None):
-        raise ValueError(f"changed must be 'slower', 'faster', None or 'medians', got {changed!r}")
     slowest = step_ms / (step_ms + abs(new_part_ms - part_ms))
-    return (1.0 if changed == "faster" else slowest, 1.0 if changed == "slower" else amdahl_bound(step_ms, part_ms))
+    faster, slower = part_factor is not None and part_factor > 1, part_factor is not None and part_factor < 1
+    return (1.0 if faster else slowest, 1.0 if slower else amdahl_bound(step_ms, part_ms))
 
 
 def spread_margin(*measurements: "Measurement") -> float:
