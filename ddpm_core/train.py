@@ -70,6 +70,9 @@ class TrainConfig:
     compile: str | None = None
     channels_last: bool = False
     fused_optimizer: bool = False
+    # compile the update after backward (clipping, the optimizer step, the EMA) into one function with torch.compile;
+    # Inductor fuses the foreach optimizer itself, so not with fused_optimizer (notebook 09b measures what it can win)
+    compile_optimizer: bool = False
     cudnn_benchmark: bool = False  # let cuDNN time its algorithms for each conv shape once, keep the fastest
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
     # data
@@ -117,6 +120,9 @@ class TrainConfig:
         GPU's memory. The paper's training semantics stay as they are, and their cost is measured,
         not dropped: Adam with lr 2e-4 and warm-up, gradient clipping at 1, EMA 0.9999, dropout 0.1,
         t uniform (``tests/test_train.py`` checks that these fields equal the baseline's).
+
+        The update after backward (clipping, Adam, the EMA) stays eager (``compile_optimizer=False``): notebook 09b
+        times it alone beside the whole step, and compiles it only where that bound leaves room.
 
         On a CPU: bf16 only where the CPU has bf16 instructions (``env.cpu_bf16``), and no
         compilation (notebook 04 measured no gain, or about 1.1x, on the 2-core CPUs it has run on, for 1-2 minutes
@@ -184,6 +190,13 @@ class TrainConfig:
                 f"fused_optimizer is available for {FUSED_OPTIMIZERS}, not {self.optimizer!r}; "
                 f"set fused_optimizer=False"
             )
+        if self.compile_optimizer and self.fused_optimizer:
+            raise ValueError("compile_optimizer compiles the optimizer's foreach implementation into fused kernels of its "
+                             "own, and torch.compile does not take the single-kernel fused one: set fused_optimizer=False, "
+                             "or compile_optimizer=False to keep the fused optimizer")
+        if self.compile_optimizer and self.precision == "fp16" and self.grad_scaler:
+            raise ValueError("compile_optimizer cannot compile the GradScaler's step, which reads on the host whether the "
+                             "gradients overflowed: use precision='bf16' (no scaler needed), or compile_optimizer=False")
         if self.dataset == "folder" and not self.image_folder:
             raise ValueError("dataset='folder' needs image_folder=<path to a folder of PNG/JPEG images>")
         if self.prefetch_factor is not None and self.num_workers == 0:
@@ -330,9 +343,12 @@ def _dist_info() -> tuple[int, int]:
     return 0, 1
 
 
-def make_optimizer(name: str, params, lr: float, fused: bool) -> torch.optim.Optimizer:
-    """The optimizer by name; ``fused=True`` selects the single-kernel implementation."""
+def make_optimizer(name: str, params, lr: float, fused: bool, tensor_lr: bool = False) -> torch.optim.Optimizer:
+    """The optimizer by name; ``fused=True`` selects the single-kernel implementation; ``tensor_lr=True`` holds the
+    learning rate in a 0-dim tensor, which a compiled step reads instead of baking it in."""
     extra = {"fused": True} if fused else {}
+    if tensor_lr:
+        lr = torch.tensor(lr)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, **extra)
     if name == "adamw":
@@ -385,10 +401,11 @@ class Trainer:
                              "torch.distributed.init_process_group(...) first (a group of one process will do).")
         self.device = resolve_device(cfg.device)
         check_precision(cfg.precision, self.device)
-        if cfg.compile and self.device.type == "cuda":
+        if (cfg.compile or cfg.compile_optimizer) and self.device.type == "cuda":
             compiles, why = gpu_compiles(self.device)
             if not compiles:
-                raise ValueError(f"compile={cfg.compile!r} cannot run on {self.device}: {why}")
+                what = f"compile={cfg.compile!r}" if cfg.compile else "compile_optimizer=True"
+                raise ValueError(f"{what} cannot run on {self.device}: {why}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -411,7 +428,10 @@ class Trainer:
             bucket = {} if cfg.ddp_bucket_cap_mb is None else {"bucket_cap_mb": cfg.ddp_bucket_cap_mb}
             self.net = DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None, **bucket)
 
-        self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.fused_optimizer)
+        # compile_optimizer: the learning rate as a tensor, so that the scheduler's warm-up changes a value the compiled
+        # step reads, not a constant baked into it (a float would recompile the step at every new lr)
+        self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.fused_optimizer,
+                                        tensor_lr=cfg.compile_optimizer)
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
@@ -430,6 +450,9 @@ class Trainer:
             # static one the same config gets in a fresh process. The loader drops the last partial batch, so a run
             # sees one shape.
             self.loss_fn = torch.compile(self.loss_eager, mode=cfg.compile, dynamic=False)
+        # What train_step calls after backward when compile_optimizer is on: update_eager compiled (default mode, no
+        # CUDA graphs of its own). None: the eager update, with the GradScaler's steps where fp16 uses one.
+        self.update_fn = torch.compile(self.update_eager, dynamic=False) if cfg.compile_optimizer else None
         self.step = 0
 
     @property
@@ -449,6 +472,15 @@ class Trainer:
     def loss_eager(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """The forward pass and the DDPM loss, never compiled: what ``compile=...`` hands to ``torch.compile``."""
         return self.diffusion.loss(self.net, x0, t, noise)
+
+    def update_eager(self) -> None:
+        """Clipping, the optimizer step and the EMA: the update after backward, never compiled; what
+        ``compile_optimizer=True`` hands to ``torch.compile`` (without a GradScaler: it refuses fp16 with one)."""
+        if self.cfg.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -479,16 +511,22 @@ class Trainer:
             with phase("train_step/backward"):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scaler.scale(loss).backward()
-            with phase("train_step/optimizer"):
-                if self.cfg.grad_clip is not None:
-                    self.scaler.unscale_(self.optimizer)
-                    nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-                self.scheduler.step()
-            if self.ema is not None:
-                with phase("train_step/ema"):
-                    self.ema.update()
+            if self.update_fn is not None:
+                # one compiled function: its phases cannot be labelled apart (Dynamo ignores record_function inside it)
+                with phase("train_step/optimizer"):
+                    self.update_fn()  # clipping, the optimizer step and the EMA
+                    self.scheduler.step()
+            else:
+                with phase("train_step/optimizer"):
+                    if self.cfg.grad_clip is not None:
+                        self.scaler.unscale_(self.optimizer)
+                        nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                    self.scheduler.step()
+                if self.ema is not None:
+                    with phase("train_step/ema"):
+                        self.ema.update()
         self.step += 1
         # A copy: under CUDA graphs the loss lives in the graph's output buffer, which the next
         # replay overwrites, and callers (train()) keep losses across steps.
@@ -605,10 +643,14 @@ class Trainer:
         for group, rule in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
             group["initial_lr"] = lr
             new = lr * rule(self.scheduler.last_epoch)
-            if isinstance(group["lr"], torch.Tensor):
+            # the lr's type is this config's: a tensor for compile_optimizer, a float otherwise, whichever the
+            # checkpoint's run used (its optimizer state restored a group's lr as that run held it)
+            if not self.cfg.compile_optimizer:
+                group["lr"] = float(new)
+            elif isinstance(group["lr"], torch.Tensor):
                 group["lr"].fill_(new)
             else:
-                group["lr"] = new
+                group["lr"] = torch.tensor(new)
         self.scheduler._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
         changed = [f"{k} {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in ("lr", "warmup_steps")
                    if saved.get(k) is not None and saved.get(k) != getattr(self.cfg, k)]

@@ -75,6 +75,28 @@ def test_train_under_cuda_graphs_keeps_every_steps_loss(tmp_path, mode, precisio
     assert len(list_checkpoints(cfg.out_dir)) == 1
 
 
+@pytest.mark.slow
+def test_compile_optimizer_beside_a_cuda_graph_step_trains_like_the_eager_update(tmp_path):
+    """compile_optimizer=True compiles clipping, Adam (its lr a CPU tensor the warm-up changes) and the EMA, after a
+    forward and backward replayed from CUDA graphs (reduce-overhead): the pairing TrainConfig.fast() would use. Its
+    losses follow the eager update's, step by step, within bf16's rounding, and the lr moves without a recompile."""
+    torch._dynamo.reset()
+    kw = dict(device="cuda", precision=env.mixed_precision("cuda"), dropout=0.0, warmup_steps=4, optimizer="adam")
+    eager = build(tiny_config(tmp_path, **kw))
+    fast = build(tiny_config(tmp_path, **kw, compile="reduce-overhead", compile_optimizer=True))
+    x = _batch(8)
+    for i in range(6):
+        g = torch.Generator().manual_seed(i)
+        ts, noise = torch.randint(0, 1000, (8,), generator=g), torch.randn(8, 3, 32, 32, generator=g)
+        a, b = float(eager.train_step(x, ts, noise)), float(fast.train_step(x, ts, noise))
+        assert math.isfinite(b) and b == pytest.approx(a, rel=5e-2), (i, a, b)
+        assert float(fast.optimizer.param_groups[0]["lr"]) == pytest.approx(eager.optimizer.param_groups[0]["lr"])
+    for p, q in zip(eager.ema.model.parameters(), fast.ema.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-2, atol=1e-3)
+    del eager, fast
+    bench.free_memory("cuda", compiled=True)
+
+
 # ------------------------------------------------------------------------------ fp16, TF32
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach-adam", "fused-adam"])
 def test_fp16_with_grad_scaler_trains_and_skips_an_overflowing_step(tmp_path, fused):

@@ -1,4 +1,5 @@
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -488,3 +489,58 @@ def test_a_deleted_trainer_gives_its_memory_back_without_the_garbage_collector(t
             assert [r() is None for r in held] == [True] * 3, kw
     finally:
         gc.enable()
+
+
+@pytest.mark.slow
+def test_compile_optimizer_matches_the_eager_update_through_the_warm_up(tmp_path, synthetic_batch, monkeypatch):
+    # Clipping, Adam and the EMA compiled in one function (Dynamo for real, aot_eager instead of Inductor's C++, as
+    # above), the lr a tensor the warm-up changes at every step: the same weights and EMA as the eager update, and no
+    # recompilation as the lr moves (a float lr would be a constant in the graph, and each new value would recompile).
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: real_compile(fn, backend="aot_eager", **kw))
+    torch._dynamo.reset()
+    x = synthetic_batch[:4]
+    # SGD with momentum: its step is linear in the clipped gradient, so a clipping or lr that differs shows in the weights
+    # (Adam divides by sqrt(v) and so hides a gradient's scale, while magnifying rounding where v is near zero)
+    kw = dict(dropout=0.0, optimizer="sgd", lr=0.05, warmup_steps=5, grad_clip=0.1)
+    eager, compiled = build(tiny_config(tmp_path, **kw)), build(tiny_config(tmp_path, **kw, compile_optimizer=True))
+    assert eager.update_fn is None and compiled.update_fn is not None
+    assert isinstance(compiled.optimizer.param_groups[0]["lr"], torch.Tensor)
+    for i in range(6):
+        # the second step compiles once more: SGD's momentum buffers exist from the first step on; after that, none
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", i >= 2)
+        g = torch.Generator().manual_seed(i)
+        ts, noise = torch.randint(0, 1000, (4,), generator=g), torch.randn(4, 3, 32, 32, generator=g)
+        a, b = eager.train_step(x, ts, noise), compiled.train_step(x, ts, noise)
+        assert float(b) == pytest.approx(float(a), rel=1e-4, abs=1e-6)
+        assert float(compiled.optimizer.param_groups[0]["lr"]) == pytest.approx(eager.optimizer.param_groups[0]["lr"])
+    for p, q in zip(eager.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    for p, q in zip(eager.ema.model.parameters(), compiled.ema.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    assert eager.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)  # the warm-up ran to its end in both
+    for t in (eager, compiled):  # clipping engaged in both: the gradients left in place have the clipped norm
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in t.model.parameters() if p.grad is not None]))
+        assert float(norm) == pytest.approx(0.1, rel=1e-3)
+
+    # A checkpoint resumes across the switch: each side gets the lr in the type its update needs.
+    path = compiled.save_checkpoint(tmp_path / "c")
+    eager2 = build(tiny_config(tmp_path, **kw))
+    eager2.load_checkpoint(path)
+    assert isinstance(eager2.optimizer.param_groups[0]["lr"], float)
+    eager2.train_step(x)
+    path = eager.save_checkpoint(tmp_path / "e")
+    compiled.load_checkpoint(path)
+    assert isinstance(compiled.optimizer.param_groups[0]["lr"], torch.Tensor)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)  # a new lr tensor is a new guard
+    compiled.train_step(x)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(compile_optimizer=True, fused_optimizer=True), "set fused_optimizer=False, or compile_optimizer=False"),
+    (dict(compile_optimizer=True, precision="fp16"), "use precision='bf16'"),
+])
+def test_compile_optimizer_refuses_what_it_cannot_compile(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**kw)
+    TrainConfig(compile_optimizer=True, precision="fp16", grad_scaler=False)  # without the scaler, fp16 compiles
