@@ -8,7 +8,8 @@ For each notebook it checks:
 - **the expected rows**: every measurement the notebook must write (``EXPECTED``: a pattern per
   required variant) is in its results CSV (``data/results/<notebook>.csv``);
 - **labels**: every one of those rows names its device and torch version, and has a number
-  where a number is due (ms/step and img/s for timed rows);
+  where a number is due (ms/step and img/s for timed rows); every other row (optional variants)
+  names its device and torch version too;
 - **figures**: every figure the notebook declares was written (after ``--since`` when given);
 - with ``--executed <notebook.ipynb>``: no cell of the executed copy ended in an error.
 
@@ -123,6 +124,17 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
                     report.problems.append(f"results: row {row['variant']!r} has no {', '.join(missing)}")
                     continue
                 report.checked.append(f"row {row['variant']!r} on {row['device_name']} (torch {row['torch_version']})")
+            # every other row too: a notebook writes optional rows (09's stages, 09b's suspects, 03's sizes) that no
+            # pattern names, and each of their numbers needs its device as much as the required ones do
+            others = df.drop(index=list(used))
+            bare = [str(v) for v, *labels in zip(others["variant"], *(others[c] if c in others else [""] * len(others)
+                                                                       for c in ("device_name", "torch_version")))
+                    if any(not str(x or "").strip() or str(x) == "nan" for x in labels)]
+            if bare:
+                report.problems.append(f"results: {plural(len(bare), 'other row')} without a device or torch version "
+                                       f"(first: {bare[0]!r}): each measured number names the machine it ran on")
+            elif len(others):
+                report.checked.append(f"{plural(len(others), 'other row')}, each labelled with its device and torch version")
 
     for name in declared_figures(nb):
         path = figures / name

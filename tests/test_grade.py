@@ -42,6 +42,22 @@ def test_a_broken_run_names_each_missing_piece(tmp_path, capsys):
     assert "03b_memory_budget.png was not written" in out
 
 
+def test_an_unlabelled_row_that_no_pattern_names_is_reported(tmp_path, capsys):
+    res, figs = _good_run(tmp_path)
+    results.append("03b_memory", [{"variant": "an optional extra", "median_ms": 5.0, "images_per_s": 9.0}],
+                   path=res / "03b_memory.csv")
+    df = results.load(res / "03b_memory.csv")
+    df.loc[df["variant"] == "an optional extra", "device_name"] = ""
+    df.to_csv(res / "03b_memory.csv", index=False)
+    assert grade.main(["03b", "--results", str(res), "--figures", str(figs)]) == 1
+    out = capsys.readouterr().out
+    assert "1 other row without a device or torch version (first: 'an optional extra')" in out
+    df.loc[df["variant"] == "an optional extra", "device_name"] = "CPU (test)"
+    df.to_csv(res / "03b_memory.csv", index=False)
+    assert grade.main(["03b", "--results", str(res), "--figures", str(figs)]) == 0
+    assert "1 other row, each labelled with its device and torch version" in capsys.readouterr().out
+
+
 def test_since_excludes_an_earlier_run_and_an_executed_error_is_reported(tmp_path, capsys):
     res, figs = _good_run(tmp_path)
     book = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1/0")])
