@@ -92,6 +92,7 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
     figures = Path(figures) if figures is not None else figures_dir()
 
     patterns = EXPECTED.get(nb.stem, [])
+    on_gpu = False  # whether the run's rows name a GPU: then the figures only a GPU writes are due too
     csv = results / f"{nb.stem}.csv"
     if patterns:
         if not csv.exists() or csv.stat().st_size == 0:
@@ -102,6 +103,8 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
             if start is not None and "timestamp" in df:
                 stamps = pd.to_datetime(df["timestamp"], utc=True, errors="coerce")
                 df = df[stamps >= pd.Timestamp(start)]
+            on_gpu = any(str(d).strip() and str(d) != "nan" and not str(d).startswith("CPU")
+                         for d in df.get("device_name", []))
             used: set[int] = set()
             for pat in patterns:
                 hit = [i for i, v in df["variant"].astype(str).items() if re.search(pat, v) and i not in used]
@@ -136,7 +139,7 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
             elif len(others):
                 report.checked.append(f"{plural(len(others), 'other row')}, each labelled with its device and torch version")
 
-    for name in declared_figures(nb):
+    for name in declared_figures(nb, gpu=on_gpu):
         path = figures / name
         if not path.exists():
             report.problems.append(f"figure: {path} was not written")

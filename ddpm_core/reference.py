@@ -271,7 +271,7 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
         from .series import NOTEBOOKS_DIR, declared_figures
 
         nb_path = NOTEBOOKS_DIR / f"{notebook}.ipynb"
-        figures = declared_figures(nb_path) if nb_path.exists() else []
+        figures = declared_figures(nb_path, gpu=True) if nb_path.exists() else []  # the reference ran on a GPU
     prefix = notebook.split("_")[0]  # "03", "03b"
     # A run made across several commands or sessions may not have reached this notebook: each run that has gets its
     # heading and block, and each that has not one line after them, not a heading with nothing under it.

@@ -54,10 +54,11 @@ def select(only: list[str] | None, folder: Path = NOTEBOOKS_DIR) -> list[Path]:
     return [nb for nb in list_notebooks(folder) if not only or any(named(nb, o) for o in only)]
 
 
-def declared_figures(notebook: Path) -> list[str]:
-    """The figure file names a notebook declares in ``metadata["ddpm"]["figures"]``."""
-    meta = json.loads(Path(notebook).read_text()).get("metadata", {})
-    return list(meta.get("ddpm", {}).get("figures", []))
+def declared_figures(notebook: Path, gpu: bool = False) -> list[str]:
+    """The figure file names a notebook declares in ``metadata["ddpm"]["figures"]``; with ``gpu=True`` also those it
+    writes only where a GPU ran it (``metadata["ddpm"]["gpu_figures"]``: 03b's allocator timeline)."""
+    meta = json.loads(Path(notebook).read_text()).get("metadata", {}).get("ddpm", {})
+    return list(meta.get("figures", [])) + (list(meta.get("gpu_figures", [])) if gpu else [])
 
 
 @contextlib.contextmanager
@@ -135,7 +136,9 @@ def run_notebook(notebook: Path, out_dir: Path, *, smoke: bool, figures: Path | 
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = Path(figures) if figures is not None else figures_dir()
     executed = out_dir / notebook.name
-    expected = declared_figures(notebook)
+    import torch  # the kernel sees the GPU this process sees: then the GPU-only figures are due too
+
+    expected = declared_figures(notebook, gpu=torch.cuda.is_available())
     before = {name: (figures / name).stat().st_mtime_ns if (figures / name).exists() else None for name in expected}
     start = time.perf_counter()
     try:

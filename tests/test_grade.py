@@ -58,6 +58,20 @@ def test_an_unlabelled_row_that_no_pattern_names_is_reported(tmp_path, capsys):
     assert "1 other row, each labelled with its device and torch version" in capsys.readouterr().out
 
 
+def test_a_gpu_run_owes_the_figures_only_a_gpu_draws(tmp_path, capsys):
+    res, figs = _good_run(tmp_path)  # a CPU run: 03b's allocator timeline is not due
+    assert "03b_gpu_timeline.png" in series.declared_figures(series.NOTEBOOKS_DIR / "03b_memory.ipynb", gpu=True)
+    assert grade.main(["03b", "--results", str(res), "--figures", str(figs)]) == 0
+    capsys.readouterr()
+    df = results.load(res / "03b_memory.csv")
+    df.loc[:, "device_name"] = "NVIDIA H200"
+    df.to_csv(res / "03b_memory.csv", index=False)
+    assert grade.main(["03b", "--results", str(res), "--figures", str(figs)]) == 1
+    assert "03b_gpu_timeline.png was not written" in capsys.readouterr().out
+    (figs / "03b_gpu_timeline.png").write_bytes(b"png")
+    assert grade.main(["03b", "--results", str(res), "--figures", str(figs)]) == 0
+
+
 def test_since_excludes_an_earlier_run_and_an_executed_error_is_reported(tmp_path, capsys):
     res, figs = _good_run(tmp_path)
     book = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1/0")])
