@@ -184,14 +184,22 @@ def memory_cap_gib() -> float | None:
     return cap
 
 
+OTHERS_MIN_GIB = 1.0  # less than this missing from the card is this process's own CUDA context (0.3-0.6 GiB), not others'
+
+
 def gpu_memory_gib(device: torch.device | str | None = None) -> float:
-    """The GPU memory this run may use, in GiB: the card's, or less where ``DDPM_GPU_MEMORY_GB`` caps it."""
+    """The GPU memory this run may use, in GiB: the card's; less where other processes hold some of it (a second
+    kernel on a shared hosted GPU, another job: ``OTHERS_MIN_GIB`` or more not free, beyond what this process's
+    allocator holds); and less again where ``DDPM_GPU_MEMORY_GB`` caps it."""
     device = torch.device(device) if device is not None else torch.device("cuda")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    free, _ = torch.cuda.mem_get_info(device)
+    available = (free + torch.cuda.memory_reserved(device)) / 2**30  # what this process's allocator holds is ours
+    usable = total if total - available < OTHERS_MIN_GIB else available
     cap = memory_cap_gib()
-    return total if cap is None else min(total, cap)
+    return usable if cap is None else min(usable, cap)
 
 
 def apply_memory_cap(device: torch.device | str) -> float | None:
@@ -233,9 +241,12 @@ def describe(device: torch.device | str | None = None) -> dict[str, str]:
         info["cudnn"] = str(torch.backends.cudnn.version())
         info["compute capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         info["bf16 hardware"] = "yes" if gpu_bf16(device)[0] else "no (its mixed precision is fp16 + GradScaler)"
-        total, usable = torch.cuda.get_device_properties(device).total_memory / 2**30, gpu_memory_gib(device)
+        total, usable, cap = (torch.cuda.get_device_properties(device).total_memory / 2**30, gpu_memory_gib(device),
+                              memory_cap_gib())
         info["gpu memory"] = (f"{total:.1f} GiB" if usable >= total else
-                              f"{usable:g} GiB of {total:.1f} GiB (capped by {MEMORY_CAP_ENV})")
+                              f"{usable:g} GiB of {total:.1f} GiB (capped by {MEMORY_CAP_ENV})" if usable == cap else
+                              f"{usable:.1f} GiB of {total:.1f} GiB (other processes hold the rest; close them, or "
+                              "expect the batch sizes chosen from memory to be smaller)")
     return info
 
 

@@ -615,8 +615,19 @@ def test_the_gpu_memory_cap_is_read_checked_and_used_for_sizing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    free = {"gib": 79.5}  # the card less this process's CUDA context
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (int(free["gib"] * 2**30), 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * 2**30)  # its own allocator's: not others'
     monkeypatch.delenv(env.MEMORY_CAP_ENV, raising=False)
     assert env.gpu_memory_gib("cuda") == 80 and TrainConfig.fast(device="cuda").batch_size == 512
+    free["gib"] = 77.5  # 2 GiB of it in this process's cache: still all ours
+    assert env.gpu_memory_gib("cuda") == 80
+    # a shared card (another kernel on a hosted GPU, another job): what others hold is not ours to size from
+    free["gib"] = 20.5
+    assert env.gpu_memory_gib("cuda") == 22.5 and TrainConfig.fast(device="cuda").batch_size == 256
+    free["gib"] = 10.5
+    assert env.gpu_memory_gib("cuda") == 12.5 and TrainConfig.fast(device="cuda").batch_size == 128
+    free["gib"] = 79.5
     monkeypatch.setenv(env.MEMORY_CAP_ENV, "16")
     assert env.gpu_memory_gib("cuda") == 16 and TrainConfig.fast(device="cuda").batch_size == 256
     assert env.apply_memory_cap("cpu") is None
@@ -635,14 +646,17 @@ def test_the_gpu_memory_cap_is_read_checked_and_used_for_sizing(monkeypatch):
             env.show("cpu")
 
 
-def fake_gpu(monkeypatch, name: str, capability: tuple[int, int], gib: float) -> None:
-    """Make this CPU-only process answer torch.cuda's questions as one GPU would (nothing runs on it)."""
+def fake_gpu(monkeypatch, name: str, capability: tuple[int, int], gib: float, others_gib: float = 0.0) -> None:
+    """Make this CPU-only process answer torch.cuda's questions as one GPU would (nothing runs on it): ``gib`` on the
+    card, half a GiB of it this process's CUDA context, ``others_gib`` held by other processes."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (int((gib - 0.5 - others_gib) * 2**30), int(gib * 2**30)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
     monkeypatch.setattr(torch.version, "hip", None)
 
 
