@@ -371,19 +371,12 @@ def headlines(folder: Path) -> dict[str, str]:
 STAGES_NOTEBOOK = "09_putting_it_together"
 
 
-def stages_markdown(folder: Path) -> str:
-    """The README's GPU table: notebook 09's stages from a reference's results.csv ("" before 09 has run there).
+def _comparison_from_rows(rows):
+    """``bench.Comparison`` rebuilt from result rows (the first row the baseline), and its measurements in row order.
 
-    Each stage's img/s is compared with the first stage's by ``bench.Comparison.speedup`` itself, built from the
-    rows; otherwise the cell says "noisy", as 09's table does. (The machine's load, which a row does not keep, is
-    09's own to report: the rebuilt comparison counts the machine as quiet.)"""
+    The machine's load, which a row does not keep, is the notebook's own to report: the rebuilt comparison counts the
+    machine as quiet, and judges each pair by the rows' p10-p90 ranges and timed calls alone."""
     from .bench import Comparison, Measurement, Noise
-
-    rows = results(folder, STAGES_NOTEBOOK)
-    if not len(rows):
-        return ""
-    rows = rows.reset_index(drop=True)
-    base = rows.iloc[0]
 
     def measurement(r) -> Measurement:
         v = r.get("iters")
@@ -396,7 +389,21 @@ def stages_markdown(folder: Path) -> str:
 
     ms = [measurement(r) for _, r in rows.iterrows()]
     spreads = {m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in ms}
-    cmp = Comparison(ms, Noise(cores=1, load_1min=0.0, other_cpu_share=0.0, spreads=spreads, threads=0))
+    return ms, Comparison(ms, Noise(cores=1, load_1min=0.0, other_cpu_share=0.0, spreads=spreads, threads=0))
+
+
+def stages_markdown(folder: Path) -> str:
+    """The README's GPU table: notebook 09's stages from a reference's results.csv ("" before 09 has run there).
+
+    Each stage's img/s is compared with the first stage's by ``bench.Comparison.speedup`` itself, built from the
+    rows; otherwise the cell says "noisy", as 09's table does. (The machine's load, which a row does not keep, is
+    09's own to report: the rebuilt comparison counts the machine as quiet.)"""
+    rows = results(folder, STAGES_NOTEBOOK)
+    if not len(rows):
+        return ""
+    rows = rows.reset_index(drop=True)
+    base = rows.iloc[0]
+    ms, cmp = _comparison_from_rows(rows)
 
     lines = ["| stage | batch | precision | ms/step (p10-p90) | img/s | img/s vs the first stage | TFLOP/s | MFU | "
              "peak memory (GiB) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -415,6 +422,81 @@ def stages_markdown(folder: Path) -> str:
     return (f"Notebook 09's stages on {base.get('device_name', '?')} (from `results.csv`; a ratio only where the "
             f"per-image p10-p90 step times of the stage and the first stage lie apart, as in the notebook):\n\n"
             + "\n".join(lines) + "\n\n" + " ".join(n for n in notes if n))
+
+
+PEERS_NOTEBOOK = "09b_the_fastest_step"
+
+
+def _number(r, column: str) -> float | None:
+    v = r.get(column) if hasattr(r, "get") else None
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if v == v else None
+
+
+def peers_markdown(folder: Path) -> str:
+    """The README's race: notebook 09b's contenders from a reference's results.csv, its measured ceiling and its
+    quality verdict ("" before 09b has run there). A ratio against ours (baseline), and between ours (fast) and each
+    peer at the same batch, only where ``bench.Comparison`` would state one (``_comparison_from_rows``)."""
+    rows = results(folder, PEERS_NOTEBOOK)
+    if not len(rows) or "variant" not in rows:
+        return ""
+    rows = rows.drop_duplicates("variant", keep="last").reset_index(drop=True)  # a part rerun: its newest rows
+    variant = rows["variant"].astype(str)
+    race = rows[variant.str.startswith("ours (") | variant.isin(["diffusers", "lucidrains"])].reset_index(drop=True)
+    if not len(race) or "ours (baseline)" not in set(race["variant"]):
+        return ""
+    race = race.reindex([race.index[race["variant"] == "ours (baseline)"][0]]
+                        + [i for i in race.index if race.at[i, "variant"] != "ours (baseline)"]).reset_index(drop=True)
+    ms, cmp = _comparison_from_rows(race)
+    ceiling = rows[variant.str.startswith("measured ceiling")]
+    ceil = ceiling.iloc[-1] if len(ceiling) else None
+    ceil_tflops = _number(ceil, "ceiling_tflops") if ceil is not None else None
+    lines = ["| contender | batch | precision | ms/step (p10-p90) | img/s | vs ours (baseline) | TFLOP/s | MFU | "
+             "of the measured ceiling | peak memory (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in race.iterrows():
+        tf, mfu, mem = _number(r, "tflops"), _number(r, "mfu"), _number(r, "peak_memory_gib")
+        ratio = "1.00x" if i == 0 else cmp.factor(ms[i])
+        same_net = str(r["variant"]).startswith("ours (") or r["variant"] == "diffusers"
+        of_ceil = (f"{100 * tf / ceil_tflops:.1f}%" if same_net and tf is not None and ceil_tflops else
+                   "n/a (other network)" if not same_net else "n/a")
+        lines.append(f"| {r['variant']} | {int(r['batch_size'])} | {r.get('precision', '')} | {float(r['median_ms']):.1f} "
+                     f"({float(r['p10_ms']):.1f}-{float(r['p90_ms']):.1f}) | {float(r['images_per_s']):,.0f} | {ratio} | "
+                     + (f"{tf:.1f}" if tf is not None else "n/a") + " | " + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a")
+                     + f" | {of_ceil} | " + (f"{mem:.2f}" if mem is not None else "n/a") + " |")
+    said = []
+    names = [m.name for m in ms]
+    fast = next((m for m in ms if m.name == "ours (fast)"), None)
+    for peer in ("diffusers", "lucidrains"):
+        if fast is not None and peer in names:
+            p = ms[names.index(peer)]
+            said.append(f"ours (fast) against {peer} at batch {p.batch_size}: " + (
+                cmp.verdict(fast, p) if p.batch_size == fast.batch_size else "not at the same batch"))
+    if ceil is not None and ceil_tflops:
+        parts = [f"{ceil_tflops:.1f} TFLOP/s in {ceil.get('precision', '?')}"]
+        conv, mm, sheet = (_number(ceil, c) for c in ("conv_tflops", "matmul_tflops", "datasheet_tflops"))
+        if conv is not None and mm is not None:
+            parts.append(f"convolutions {conv:.1f}, a large matmul {mm:.1f}")
+        if sheet is not None:
+            parts.append(f"against the datasheet's {sheet:.1f}")
+        said.append("The measured ceiling (the model's own convolution shapes and a large matmul, timed alone): "
+                    + "; ".join(parts) + " (the share of it is for our network; the fp32 baseline's is of the same "
+                    "16-bit yardstick, not a limit of its own)")
+    quality = rows[variant.str.startswith("quality: fast")]
+    if len(quality):
+        q = quality.iloc[-1]
+        inside, passed = _number(q, "band_inside"), str(q.get("passed", "")).strip().lower()
+        said.append(f"Quality (the fast run against the baseline's seed band, {q.get('dataset', '?')}, "
+                    f"{int(_number(q, 'steps') or 0)} steps each): "
+                    + ("the check passed" if passed == "true" else "the check failed" if passed == "false" else "no verdict")
+                    + (f", its smoothed loss inside the band at {inside:.0%} of the judged steps" if inside is not None else "")
+                    + "; notebook 09b's section 4 gives the whole verdict")
+    base = race.iloc[0]
+    return (f"Notebook 09b's race on {base.get('device_name', '?')} (from `results.csv`; each contender a whole training "
+            "step in one process, interleaved; a ratio only where the per-image p10-p90 ranges lie apart, as in the "
+            "notebook):\n\n" + "\n".join(lines) + ("\n\n" + ". ".join(said) + "." if said else ""))
 
 
 def last_stage_trace_markdown(folder: Path) -> str:
@@ -528,6 +610,8 @@ def status_markdown(root: Path | None = None) -> str:
             lines += ["", stages]
         if where := last_stage_trace_markdown(folder):
             lines += ["", where]
+        if race := peers_markdown(folder):
+            lines += ["", race]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

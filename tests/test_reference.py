@@ -771,6 +771,39 @@ def test_gpu_call_detach_runs_on_past_its_command_and_attach_collects_what_it_wr
     assert lost.returncode == 4 and "no detached run on this machine" in lost.stderr
 
 
+def test_the_readme_race_comes_from_09bs_rows_with_ratios_only_where_09b_would(tmp_path):
+    """09b's contenders, ceiling and quality verdict from results.csv: the README's race, written by reference readme."""
+    folder = tmp_path / "h200"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H200", "mode": "full"}))
+    assert reference.peers_markdown(folder) == ""  # 09b has not run there
+    row = dict(notebook="09b_the_fastest_step", device_name="NVIDIA H200", iters=20, peak_memory_gib=3.0)
+    race = [  # name, batch, median, p10, p90, precision, tflops, mfu
+        ("suspect channels_last=False: TrainConfig.fast()", 128, 20.0, 19.8, 20.2, "bf16", 240.0, 0.24),  # not a contender
+        ("ours (baseline)", 128, 137.6, 137.0, 138.0, "fp32", 35.0, 0.035),
+        ("ours (fast)", 128, 20.0, 19.8, 20.2, "bf16", 240.0, 0.24),
+        ("diffusers", 128, 40.0, 39.5, 40.5, "bf16", 120.0, 0.12),
+        ("lucidrains", 128, 20.1, 19.7, 20.4, "bf16", 90.0, 0.09),   # overlaps ours (fast): no ratio between them
+    ]
+    rows = [{**row, "variant": n, "batch_size": b, "median_ms": m, "p10_ms": lo, "p90_ms": hi, "precision": pr,
+             "images_per_s": b / m * 1e3, "tflops": tf, "mfu": mfu} for n, b, m, lo, hi, pr, tf, mfu in race]
+    rows.append({**row, "variant": "measured ceiling (bf16)", "batch_size": 512, "precision": "bf16",
+                 "ceiling_tflops": 480.0, "conv_tflops": 470.0, "matmul_tflops": 790.0, "datasheet_tflops": 989.4})
+    rows.append({**row, "variant": "quality: fast (bf16, seed 0)", "batch_size": 128, "dataset": "10,000 generated images",
+                 "steps": 120, "band_inside": 0.9, "passed": True})
+    pd.DataFrame(rows).to_csv(folder / "results.csv", index=False)
+    md = reference.peers_markdown(folder)
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[5] for line in md.splitlines() if line.startswith("| ")}
+    assert cells == {"contender": "vs ours (baseline)", "ours (baseline)": "1.00x", "ours (fast)": "6.88x",
+                     "diffusers": "3.44x", "lucidrains": "6.85x"}  # the suspect row is no contender
+    assert "| 50.0% |" in md and "n/a (other network)" in md  # 240 of 480 TFLOP/s; lucidrains is another network
+    assert "ours (fast) against diffusers at batch 128: faster, at 2.00x the throughput of diffusers" in md
+    assert "ours (fast) against lucidrains at batch 128: no measurable difference" in md
+    assert "480.0 TFLOP/s in bf16; convolutions 470.0, a large matmul 790.0; against the datasheet's 989.4" in md
+    assert "120 steps each): the check passed, its smoothed loss inside the band at 90%" in md
+    assert md in reference.status_markdown(tmp_path)
+
+
 def test_the_readme_gpu_table_states_a_stage_ratio_only_where_09_would(tmp_path):
     """Notebook 09's stages from results.csv, a ratio where the per-image ranges lie apart (as bench.Comparison)."""
     folder = tmp_path / "h100-80gb-hbm3"
