@@ -738,14 +738,35 @@ def short_name(name: str, width: int = 48) -> str:
 
 
 def trace_diff_bars(diff, *, label: str | None = None, title: str = "What changed in the trace",
-                    inclusive: bool = True) -> "plt.Figure":
+                    inclusive: bool = True, by_kind=None) -> "plt.Figure":
     """The rows of ``traces.diff``: time change per operator or kernel, green where time was saved,
     red where it was added, with the call counts before -> after. ``inclusive``: the rows are CPU
     operators, whose times contain the operators they call (a GPU trace's diff compares kernels,
-    which do not nest: pass False)."""
+    which do not nest: pass False). ``by_kind`` (``traces.diff_by_kind``): a panel above, one step's time per kind of
+    work before and after, with its call counts and how many kernel (operator) names of the kind appeared or vanished."""
     set_style()
     diff = diff.reset_index(drop=True)
-    fig, ax = plt.subplots(figsize=(9, 0.4 * len(diff) + 1.6))
+    if by_kind is None:
+        fig, ax = plt.subplots(figsize=(9, 0.4 * len(diff) + 1.6))
+    else:
+        import numpy as np
+
+        compared = by_kind.attrs.get("compared")
+        by_kind = by_kind.reset_index(drop=True)
+        fig, (top, ax) = plt.subplots(2, 1, figsize=(9, 0.4 * len(diff) + 0.5 * len(by_kind) + 3.4),
+                                      gridspec_kw={"height_ratios": [0.5 * len(by_kind) + 1.2, 0.4 * len(diff) + 1.4]})
+        y = np.arange(len(by_kind))
+        top.barh(y - 0.2, by_kind["time before (us)"] / 1e3, height=0.4, color="C7", label="before")
+        top.barh(y + 0.2, by_kind["time after (us)"] / 1e3, height=0.4, color="C0", label="after")
+        top.set_yticks(y, [f"{k}  ({b:,.0f} -> {a:,.0f} calls" + (f"; {n} new" if n else "") + (f", {g} gone" if g else "")
+                           + ")" for k, b, a, n, g in zip(by_kind["kind"], by_kind["calls before"], by_kind["calls after"],
+                                                           by_kind["appeared"], by_kind["vanished"])], fontsize=8)
+        top.invert_yaxis()
+        top.set_xlabel(("GPU kernel time" if compared == "kernels" else "CPU operator self time")
+                       + " per step by kind (ms)\nnew / gone: names of the kind found in one of the two traces only",
+                       fontsize=9)
+        top.legend(fontsize=8, loc="lower right")
+        _title(top, title, label)
     ms = diff["time change (us)"] / 1e3
     ax.barh(range(len(diff)), ms, color=["C2" if v < 0 else "C3" for v in ms])
     names = [short_name(n) for n in diff["name"].astype(str)]
@@ -756,7 +777,10 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
     ax.set_xlabel("time change in one step (ms; negative = less time in this row)" + (
         "\ninclusive times: a row contains the rows it calls, so nested rows count the same time twice" if inclusive
         else "\nkernels: each row is GPU time of its own"), fontsize=9)
-    _title(ax, title, label)
+    if by_kind is None:
+        _title(ax, title, label)
+    else:
+        ax.set_title(f"the {len(diff)} {'kernels' if not inclusive else 'operators'} whose time changed most", fontsize=9)
     fig.tight_layout()
     return fig
 

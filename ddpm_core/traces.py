@@ -577,6 +577,56 @@ def diff(before: str | Path, after: str | Path, *, top: int = 12, gpu: bool | No
     return df
 
 
+def _per_kind(trace: dict, gpu: bool) -> pd.DataFrame:
+    """One trace's work per name and kind, per profiled step: GPU kernels (``kernel_kind``; the share of a GEMM-named
+    kernel a convolution launched counted as convolution, as ``kernel_kinds`` does) or CPU operators' self time
+    (``_category``). Columns: name, kind, calls, time (us)."""
+    steps = max(1, len(step_spans(trace.get("traceEvents", []))))
+    if gpu:
+        evs = [e for e in trace["traceEvents"] if e.get("cat") == "kernel"]
+        df = pd.DataFrame({"name": [str(e.get("name", "")) for e in evs], "time": [float(e.get("dur", 0) or 0) for e in evs]})
+        df = df.groupby("name", as_index=False).agg(calls=("time", "size"), time=("time", "sum"))
+        df["kind"] = df["name"].map(kernel_kind)
+        share = df["name"].map(launched_by_convolution({0: trace})).fillna(0.0).where(df["kind"] == "matmul (cuBLAS)", 0.0)
+        moved = df[share > 0].assign(time=lambda d: d["time"] * share[share > 0], calls=0, kind="convolution (cuDNN)")
+        df = pd.concat([df.assign(time=df["time"] * (1 - share)), moved], ignore_index=True)
+    else:
+        ops = _cpu_op_breakdown({0: trace})
+        df = pd.DataFrame({"name": ops["name"], "calls": ops["calls"], "time": ops["self_us"], "kind": ops["name"].map(_category)})
+    return df.assign(calls=df["calls"] / steps, time=df["time"] / steps)
+
+
+def diff_by_kind(before: str | Path, after: str | Path) -> pd.DataFrame:
+    """What changed between two traces, per kind of work: ``diff``'s question asked of whole classes, one profiled
+    step of ``before`` against one of ``after`` (each trace's average over its profiled steps, rank 0's file).
+
+    GPU kernel time by ``kernel_kind`` where both traces have GPU kernels, CPU operator self time by kind otherwise
+    (self time: operators nest, and inclusive times summed over a kind would count the nested ones twice). Columns:
+    kind, calls before/after, time before/after (us), time change (us), and appeared / vanished: how many distinct
+    kernel (operator) names of that kind ran in one trace only. ``attrs["compared"]``: "kernels" or "operators"."""
+    before, after = Path(before).resolve(), Path(after).resolve()
+    for folder in (before, after):
+        if not folder.is_dir() or not _trace_files(folder):
+            raise TraceError(f"no trace files (*.pt.trace.json[.gz]) in {folder}: capture one with profiling.capture")
+    traces = [_load_json(_trace_files(f)[0]) for f in (before, after)]
+    gpu = all(_has_gpu_kernels({0: t}) for t in traces)
+    b, a = (_per_kind(t, gpu) for t in traces)
+    names_b, names_a = set(b.loc[b["calls"] > 0, "name"]), set(a.loc[a["calls"] > 0, "name"])
+    rows = []
+    for kind in sorted(set(b["kind"]) | set(a["kind"])):
+        kb, ka = b[b["kind"] == kind], a[a["kind"] == kind]
+        rows.append({"kind": kind, "calls before": float(kb["calls"].sum()), "calls after": float(ka["calls"].sum()),
+                     "time before (us)": float(kb["time"].sum()), "time after (us)": float(ka["time"].sum()),
+                     "appeared": len(set(ka.loc[ka["calls"] > 0, "name"]) - names_b),
+                     "vanished": len(set(kb.loc[kb["calls"] > 0, "name"]) - names_a)})
+    df = pd.DataFrame(rows, columns=["kind", "calls before", "calls after", "time before (us)", "time after (us)",
+                                     "appeared", "vanished"])
+    df["time change (us)"] = df["time after (us)"] - df["time before (us)"]
+    df = df.reindex(df["time change (us)"].abs().sort_values(ascending=False).index).reset_index(drop=True)
+    df.attrs.update(compared="kernels" if gpu else "operators")
+    return df
+
+
 def _own_diff(before: Path, after: Path) -> pd.DataFrame:
     """TraceDiff's table (its column names, indexed by operator) made without HTA: each trace's CPU operators
     (rank 0's file), calls and inclusive time per profiled step."""

@@ -367,6 +367,52 @@ def test_trace_diff_shows_the_operators_an_optimization_removed_and_added(tmp_pa
         traces.diff(tmp_path / "math", tmp_path / "nothing-here")
 
 
+def test_the_diff_by_kind_of_the_h200_stack_says_which_kinds_the_last_stage_removed_and_added():
+    """09's baseline (fp32, eager) against its last stage (bf16, compiled, CUDA graphs) on the H200, per kind of work:
+    Triton's fused kernels appear from nothing, eager elementwise and normalization kernels all but vanish, and the
+    convolutions take a fraction of their time; per-kind times add up to the traces' own kernel time per step."""
+    root = Path(__file__).resolve().parents[1] / "data/reference/h200/traces/09_putting_it_together"
+    d = traces.diff_by_kind(root / "baseline", root / "final")
+    assert d.attrs["compared"] == "kernels"
+    k = d.set_index("kind")
+    triton = k.loc["fused elementwise / norm (Triton)"]
+    assert triton["time before (us)"] == 0 and triton["calls after"] > 100 and triton["appeared"] > 100
+    assert k.loc["normalization (eager)", "time after (us)"] < 0.01 * k.loc["normalization (eager)", "time before (us)"]
+    conv = k.loc["convolution (cuDNN)"]
+    assert conv["time after (us)"] < 0.5 * conv["time before (us)"] and conv["vanished"] > 0 and conv["appeared"] > 0
+    # GEMM-named kernels a convolution launched count as convolution (as kernel_kinds): matmul stays small before
+    assert k.loc["matmul (cuBLAS)", "time before (us)"] < 0.05 * conv["time before (us)"]
+    assert list(d["time change (us)"].abs()) == sorted(d["time change (us)"].abs(), reverse=True)
+    for side, folder in (("before", "baseline"), ("after", "final")):
+        trace = traces._load_json(traces._trace_files(root / folder)[0])
+        steps = len(traces.step_spans(trace["traceEvents"]))
+        kernel_us = sum(float(e.get("dur", 0)) for e in trace["traceEvents"] if e.get("cat") == "kernel")
+        assert d[f"time {side} (us)"].sum() == pytest.approx(kernel_us / steps, rel=1e-6)
+
+
+def test_the_diff_by_kind_of_two_cpu_captures_uses_self_time(tmp_path):
+    """On a CPU the kinds come from operators' self time (inclusive times would count nested operators twice): math
+    attention against SDPA, the matmul kind loses bmm's name and gains SDPA's, and each side adds up to the step's
+    operator self time."""
+    from ddpm_core import plots
+
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    for attention in ("math", "sdpa"):
+        t = build(tiny_config(tmp_path, attention=attention, batch_size=2))
+        profiling.capture(t.train_step, x, out_dir=tmp_path / attention, wait=1, warmup=1, active=2)
+    d = traces.diff_by_kind(tmp_path / "math", tmp_path / "sdpa")
+    assert d.attrs["compared"] == "operators"
+    mm = d.set_index("kind").loc["matmul / attention"]
+    assert mm["appeared"] >= 1 and mm["vanished"] >= 1
+    trace = traces._load_json(traces._trace_files(tmp_path / "math")[0])
+    own = traces._cpu_op_breakdown({0: trace})["self_us"].sum() / len(traces.step_spans(trace["traceEvents"]))
+    assert d["time before (us)"].sum() == pytest.approx(own, rel=1e-6)
+    fig = plots.trace_diff_bars(traces.diff(tmp_path / "math", tmp_path / "sdpa", top=6), by_kind=d)
+    assert len(fig.axes) == 2 and "self time" in fig.axes[0].get_xlabel()
+    with pytest.raises(traces.TraceError, match="no trace files"):
+        traces.diff_by_kind(tmp_path / "math", tmp_path / "nothing-here")
+
+
 def test_a_gpu_trace_diff_that_hta_cannot_make_falls_back_to_operators_and_says_why(tmp_path, monkeypatch):
     """HTA's kernel diff has not met every real GPU trace: where it raises, the notebooks (04, 09) still get a table,
     of the operators, with a note; where HTA cannot read the traces at all, of the operators counted without it."""
