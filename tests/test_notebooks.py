@@ -161,6 +161,26 @@ def test_the_readme_and_each_notebook_state_the_same_measured_smoke_run_time():
             assert sorted(float(v) for v in said.group(4, 5)) == [float(said.group(2)), float(said.group(3))], said.group(0)
 
 
+def test_the_lab_plan_times_each_session_as_the_sum_of_its_notebooks_run_times():
+    from ddpm_core.paths import REPO_ROOT
+
+    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    times = {}  # notebook prefix -> (low, high) seconds, from the notebook table
+    for line in lines:
+        if line.startswith("| [") and "](notebooks/" in line:
+            prefix = line.split("](notebooks/")[1].split("_")[0]
+            low, _, high = line.rstrip(" |").rsplit("|", 1)[1].strip().lstrip("~").removesuffix(" s").partition("-")
+            times[prefix] = (float(low), float(high or low))
+    start = lines.index("| session | notebooks | what students leave with | smoke run time (2-core CPU) |")
+    sessions = [line for line in lines[start + 2:start + 6]]
+    assert len(sessions) == 4 and all(line.startswith(f"| {i} |") for i, line in enumerate(sessions, 1))
+    for line in sessions:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        nbs = [n.strip() for n in cells[1].split("(")[0].split(",")]  # "(10 as reading)" is not run in the session
+        low, high = (sum(times[n][k] for n in nbs) for k in (0, 1))
+        assert cells[3] == f"{low:.0f}-{high:.0f} s", (cells[1], cells[3], low, high)
+
+
 def test_a_notebook_number_selects_exactly_that_notebook():
     assert [nb.stem for nb in series.select(["03"])] == ["03_batch_size"]  # not 03b too (make notebook NB=03)
     assert [nb.stem for nb in series.select(["03b", "04_torch"])] == ["03b_memory", "04_torch_compile"]
