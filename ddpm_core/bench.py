@@ -1511,13 +1511,14 @@ def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "pd.Data
 
 
 def loader_timing(loader: Any, step: Callable[[torch.Tensor], Any], steps: int, warmup: int = 2,
-                  device: torch.device | str | None = None) -> dict[str, float]:
+                  device: torch.device | str | None = None, raw: bool = False) -> dict[str, Any]:
     """Run ``step(batch)`` on ``steps`` batches of ``loader`` and split each step's wall time into
     waiting for the batch (``next()``, host-to-device copy included) and computing on it.
 
     Both sides are synchronized with the device. The first ``warmup`` batches (worker start-up,
     first-call costs) are not counted. Returns mean data-wait and compute ms per step, the share
-    of time waiting, and images/s over the counted steps.
+    of time waiting, and images/s over the counted steps; with ``raw``, also each counted step's times
+    (``waits_ms``, ``computes_ms``) and the images (``images``), which ``loader_rounds`` pools.
     """
     device = torch.device(device) if device is not None else getattr(loader, "device", torch.device("cpu"))
     cuda = device.type == "cuda"
@@ -1544,16 +1545,49 @@ def loader_timing(loader: Any, step: Callable[[torch.Tensor], Any], steps: int, 
             waits.append(1e3 * (t1 - t0))
             computes.append(1e3 * (t2 - t1))
             images += x.shape[0]
+    out: dict[str, Any] = _loader_summary(waits, computes, images)
+    if raw:
+        out.update(waits_ms=waits, computes_ms=computes, images=images)
+    return out
+
+
+def _loader_summary(waits: list[float], computes: list[float], images: int) -> dict[str, float]:
+    """Mean data wait and compute per step (ms), their p10-p90, the share waiting and images/s, from per-step times."""
     wait, compute = sum(waits) / 1e3, sum(computes) / 1e3
     total = wait + compute
 
     def q(v: list[float], k: int) -> float:
         return statistics.quantiles(v, n=10, method="inclusive")[k] if len(v) > 1 else v[0]
 
-    return {"data_wait_ms": 1e3 * wait / steps, "compute_ms": 1e3 * compute / steps,
+    return {"data_wait_ms": 1e3 * wait / len(waits), "compute_ms": 1e3 * compute / len(computes),
             "wait_share": wait / total if total else 0.0, "images_per_s": images / total if total else 0.0,
             "data_wait_p10_ms": q(waits, 0), "data_wait_p90_ms": q(waits, -1),
             "compute_p10_ms": q(computes, 0), "compute_p90_ms": q(computes, -1)}
+
+
+def loader_rounds(settings: Sequence[tuple[str, Callable[[], Any]]], step: Callable[[torch.Tensor], Any], *,
+                  steps: int, warmup: int = 2, rounds: int = 3, device: torch.device | str | None = None
+                  ) -> dict[str, dict[str, float]]:
+    """``loader_timing`` of several loader settings, side by side in interleaved rounds (ABC, then CBA, ...), as
+    ``compare`` times steps: drift (another program starting, thermals) hits every setting alike.
+
+    ``settings``: (name, make) pairs, ``make()`` building that setting's loader. Each round builds every loader afresh
+    (a loader kept alive between rounds would go on decoding in its workers while the others are timed, and start
+    its next round with batches ready), leaves out its first ``warmup`` batches and times ``steps``, spread over the
+    rounds (at least 2 a round). Returns, per name, ``loader_timing``'s numbers over every round's steps pooled, and
+    ``rounds``.
+    """
+    if rounds < 1 or not settings:
+        raise ValueError(f"loader_rounds needs rounds >= 1 and at least one setting, got {rounds} and {len(settings)}")
+    per_round = max(2, math.ceil(steps / rounds))
+    pooled: dict[str, dict[str, Any]] = {name: {"waits": [], "computes": [], "images": 0} for name, _ in settings}
+    for r in range(rounds):
+        for name, make in (settings if r % 2 == 0 else list(reversed(settings))):
+            t = loader_timing(make(), step, per_round, warmup=warmup, device=device, raw=True)
+            pooled[name]["waits"] += t["waits_ms"]
+            pooled[name]["computes"] += t["computes_ms"]
+            pooled[name]["images"] += t["images"]
+    return {name: {**_loader_summary(p["waits"], p["computes"], p["images"]), "rounds": rounds} for name, p in pooled.items()}
 
 
 def loader_throughput(loader: Any, batches: int, warmup: int = 2, device: torch.device | str | None = None) -> dict[str, float]:

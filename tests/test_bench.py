@@ -168,6 +168,31 @@ def test_loader_timing_splits_waiting_from_computing():
     assert 4 / 0.03 <= alone["loader_images_per_s"] <= 4 / 0.02 * 1.05 and 19 <= alone["batch_ms"] <= 30
 
 
+def test_loader_rounds_interleave_the_settings_build_each_loader_afresh_and_pool_their_steps():
+    order = []
+
+    class Loader:
+        device = torch.device("cpu")
+
+        def __init__(self, name, wait_s):
+            order.append(name)
+            self.name, self.wait_s = name, wait_s
+
+        def __iter__(self):
+            for _ in range(100):
+                time.sleep(self.wait_s)
+                yield torch.zeros(2, 3, 2, 2)
+
+    out = bench.loader_rounds([("slow", lambda: Loader("slow", 0.02)), ("fast", lambda: Loader("fast", 0.0))],
+                              lambda x: None, steps=5, warmup=1, rounds=3)
+    assert order == ["slow", "fast", "fast", "slow", "slow", "fast"]  # A B, B A, A B: a fresh loader every round
+    assert out["slow"]["rounds"] == 3 and out["slow"]["data_wait_ms"] >= 19 > 5 > out["fast"]["data_wait_ms"]
+    # 5 steps over 3 rounds: 2 a round, 6 pooled, every one of them a 2-image batch
+    assert out["fast"]["images_per_s"] > out["slow"]["images_per_s"] and 6 * 2 / (6 * 0.03) <= out["slow"]["images_per_s"]
+    with pytest.raises(ValueError, match="rounds >= 1 and at least one setting"):
+        bench.loader_rounds([], lambda x: None, steps=2)
+
+
 # ------------------------------------------------------------------------------ GPU-path defects, caught on CPU
 def test_mfu_has_one_fixed_bf16_yardstick_beside_the_per_precision_one():
     """Notebook 09 divided fp32 stages by 67 and bf16 stages by 989 TFLOP/s: MFU fell where the step got faster."""
