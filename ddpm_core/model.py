@@ -217,6 +217,12 @@ class UNet(nn.Module):
             ``GroupNorm16``) or "none" (for the normalization ablation).
         norm_groups: GroupNorm groups (32).
         attn_heads: attention heads (1 in the paper).
+
+    Attributes:
+        activation_checkpointing: recompute each block's insides in backward instead of keeping them (set by
+            ``TrainConfig(activation_checkpointing=True)``).
+        checkpoint_blocks: the kinds of block activation checkpointing applies to, ``(ResBlock, AttnBlock)`` by
+            default; ``(AttnBlock,)`` checkpoints the attention blocks only.
     """
 
     def __init__(

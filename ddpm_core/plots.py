@@ -7,7 +7,7 @@ import math
 import re
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker
@@ -787,14 +787,21 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
 
 def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "images_per_s",
               title: str = "Cumulative speedup, stage by stage",
-              comparison: Any = None) -> "plt.Figure":
+              comparison: Any = None, why: Callable[[str, str], str | None] | None = None) -> "plt.Figure":
     """Each stage as a floating bar from the previous stage's speedup over the first stage to its own, labeled
     "total 1.25x · step 1.10x": its speedup over the first stage of the same run, and its own factor over the stage
     before. With ``comparison`` (a ``bench.Comparison`` holding every stage, named as in column ``x``) both come from
     its verdicts, and where it states no ratio the label says why, as its table does ("within noise", "noisy", "too
-    few repeats"), on a grey bar; without one, every label is the ratio of the medians."""
+    few repeats"), on a grey bar; without one, every label is the ratio of the medians. ``why(name, base_name)``, where
+    it returns a word, labels a pair with no stated ratio by that word instead (09 says "noisy" where a stage's own
+    repeats spread too widely, as its table and its sentences do)."""
     set_style()
     stages = stages.reset_index(drop=True)
+
+    def ratio(r: float, name: str, base: str) -> str:
+        word = why(name, base) if why is not None and comparison is not None and comparison.speedup(name, base) is None else None
+        return word or _ratio_text(r, name, base, comparison)
+
     cum = stages[y] / stages[y].iloc[0]
     prev = cum.shift(1).fillna(0)
     names = list(stages[x])
@@ -804,8 +811,7 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
             stated, text = True, "1.00x: the baseline"
         else:  # two lines: on one, the labels took half the axis and squeezed the bars
             stated = comparison is None or comparison.speedup(name, names[i - 1]) is not None
-            text = (f"total {_ratio_text(c, name, names[0], comparison)}\n"
-                    f"step {_ratio_text(c / p, name, names[i - 1], comparison)}")
+            text = f"total {ratio(c, name, names[0])}\nstep {ratio(c / p, name, names[i - 1])}"
         ax.barh(i, c - p, left=p, color="C7" if i == 0 or not stated else ("C2" if c >= p else "C3"))
         ax.text(max(c, p), i, text, va="center", fontsize=7.5, linespacing=1.1,
                 transform=ax.transData + matplotlib.transforms.ScaledTranslation(4 / 72, 0, fig.dpi_scale_trans))
