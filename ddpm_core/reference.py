@@ -83,7 +83,7 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
     "nb-03b": ["03b"],  # ~2 min: largest-batch searches
     "nb-04": ["04"],  # ~5-7 min: default and reduce-overhead compiled cold, then CUDA graphs at batch 32 (Exercise 1)
     "nb-05-06": ["05", "06"],  # ~2 + ~3.5 min
-    "nb-07": ["07"],  # ~3.5 min: 07 compiles its step
+    "nb-07": ["07"],  # ~4.5 min: 07 compiles its step, and builds every loader afresh in each of its interleaved rounds
     "nb-08": ["08"],  # ~3.5 min on one GPU: DDP in gloo CPU processes (torchrun launches)
     "nb-09": ["09"],  # ~5 min: ten stages, the last two compiled
     "nb-09b": ["09b"],  # ~9 min: the peers (their wheels: scripts/gpu_wheels.sh), five compiles, the ceiling, three profiles, the quality runs
@@ -117,7 +117,7 @@ NEXT = "next"  # a --parts word: every part of PRIORITY the folder has not done,
 # others estimated from the code as NOTEBOOK_PARTS' comments say. A part measured in a committed full reference
 # (parts.json) is estimated by the longest such measurement instead (part_estimate_s).
 PART_ESTIMATE_S = {"meta": 1, "gpu-tests": 150, "gpu-tests-slow": 280, "gpu-tests-autotune": 300, "nb-00-01": 507,
-                   "nb-02": 270, "nb-03": 300, "nb-03b": 120, "nb-04": 390, "nb-05-06": 330, "nb-07": 210, "nb-08": 210,
+                   "nb-02": 270, "nb-03": 300, "nb-03b": 120, "nb-04": 390, "nb-05-06": 330, "nb-07": 270, "nb-08": 210,
                    "nb-09": 300, "nb-09b": 560, "nb-10": 300, "pack": 10}
 # When a full run must end, in seconds since the epoch (scripts/gpu_call.sh sets it from its deadline): a part whose
 # estimate does not fit the time left is not started, and a shorter one after it may be. A part cut off by the deadline

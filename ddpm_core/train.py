@@ -136,8 +136,9 @@ class TrainConfig:
         settings: dict[str, Any] = dict(attention="sdpa", channels_last=True, fused_optimizer=True,
                                         cudnn_benchmark=True, loader="device", num_workers=0)
         if gpu:
-            gib = gpu_memory_gib(device if device != "auto" else "cuda")  # DDPM_GPU_MEMORY_GB caps it
-            dev = device if device != "auto" else "cuda"
+            # this process's GPU: cuda:LOCAL_RANK under torchrun, not always GPU 0 (build checks that it exists)
+            dev = device if device not in ("auto", "cuda") else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            gib = gpu_memory_gib(dev)  # less what other processes hold; DDPM_GPU_MEMORY_GB caps it
             settings.update(precision=mixed_precision(dev),
                             compile="reduce-overhead" if gpu_compiles(dev)[0] else None,  # no Triton before 7.0 (a P100)
                             batch_size=512 if gib >= 40 else 256 if gib >= 15 else 128)
@@ -343,12 +344,16 @@ def _dist_info() -> tuple[int, int]:
     return 0, 1
 
 
-def make_optimizer(name: str, params, lr: float, fused: bool, tensor_lr: bool = False) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params, lr: float, fused: bool, tensor_lr: bool = False,
+                   capturable: bool = False) -> torch.optim.Optimizer:
     """The optimizer by name; ``fused=True`` selects the single-kernel implementation; ``tensor_lr=True`` holds the
-    learning rate in a 0-dim tensor, which a compiled step reads instead of baking it in."""
-    extra = {"fused": True} if fused else {}
+    learning rate in a 0-dim tensor, which a compiled step reads instead of baking it in; ``capturable=True`` (Adam and
+    AdamW on a GPU) keeps Adam's step counters on the device, as a compiled or graph-captured step needs them."""
+    extra: dict[str, Any] = {"fused": True} if fused else {}
     if tensor_lr:
         lr = torch.tensor(lr)
+    if capturable and name in ("adam", "adamw"):
+        extra["capturable"] = True
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, **extra)
     if name == "adamw":
@@ -431,7 +436,8 @@ class Trainer:
         # compile_optimizer: the learning rate as a tensor, so that the scheduler's warm-up changes a value the compiled
         # step reads, not a constant baked into it (a float would recompile the step at every new lr)
         self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.fused_optimizer,
-                                        tensor_lr=cfg.compile_optimizer)
+                                        tensor_lr=cfg.compile_optimizer,
+                                        capturable=cfg.compile_optimizer and self.device.type == "cuda")
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
@@ -614,6 +620,11 @@ class Trainer:
         self.model.load_state_dict(ckpt["model"])
         if self.ema is not None and ckpt.get("ema") is not None:
             self.ema.load_state_dict(ckpt["ema"])
+        # The implementation is this config's, whichever the checkpoint's run used (fused, foreach, capturable: a fused
+        # fast() checkpoint resumed with compile_optimizer must not come back fused); load_state_dict places Adam's
+        # step counters by these flags (on the device where fused or capturable, on the CPU otherwise).
+        for saved, own in zip(ckpt["optimizer"]["param_groups"], self.optimizer.param_groups):
+            saved.update({k: own[k] for k in ("fused", "foreach", "capturable") if k in own})
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])

@@ -93,7 +93,18 @@ def test_compile_optimizer_beside_a_cuda_graph_step_trains_like_the_eager_update
         assert float(fast.optimizer.param_groups[0]["lr"]) == pytest.approx(eager.optimizer.param_groups[0]["lr"])
     for p, q in zip(eager.ema.model.parameters(), fast.ema.model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-2, atol=1e-3)
-    del eager, fast
+    assert fast.optimizer.param_groups[0]["capturable"]  # Adam's step counters on the GPU, as the compiled step wants
+    # resumed across the switch, each side keeps its own Adam: fused with its counters on the GPU, or capturable
+    fused = build(tiny_config(tmp_path, **kw, fused_optimizer=True))
+    fused.load_checkpoint(fast.save_checkpoint(tmp_path / "compiled"))
+    assert fused.optimizer.param_groups[0]["fused"] and not fused.optimizer.param_groups[0].get("capturable")
+    assert all(s["step"].device.type == "cuda" for s in fused.optimizer.state.values())
+    assert math.isfinite(float(fused.train_step(x)))
+    fast.load_checkpoint(eager.save_checkpoint(tmp_path / "eager"))
+    assert fast.optimizer.param_groups[0]["capturable"] and not fast.optimizer.param_groups[0]["fused"]
+    assert all(s["step"].device.type == "cuda" for s in fast.optimizer.state.values())
+    assert math.isfinite(float(fast.train_step(x)))
+    del eager, fast, fused
     bench.free_memory("cuda", compiled=True)
 
 

@@ -536,6 +536,25 @@ def test_compile_optimizer_matches_the_eager_update_through_the_warm_up(tmp_path
     compiled.train_step(x)
 
 
+def test_a_checkpoint_resumes_across_compile_optimizer_with_this_configs_own_adam(tmp_path, synthetic_batch):
+    """load_state_dict copies each saved param group whole: a fused fast() checkpoint came back fused into a
+    compile_optimizer trainer (the pairing TrainConfig refuses), and the reverse lost fused. The implementation flags
+    and the lr's type are this config's, whichever run wrote the checkpoint."""
+    x = synthetic_batch[:4]
+    fused = build(tiny_config(tmp_path, optimizer="adam", fused_optimizer=True))
+    fused.train_step(x)
+    path = fused.save_checkpoint(tmp_path / "fused")
+    compiled = build(tiny_config(tmp_path, optimizer="adam", compile_optimizer=True))
+    compiled.load_checkpoint(path)
+    g = compiled.optimizer.param_groups[0]
+    assert not g["fused"] and isinstance(g["lr"], torch.Tensor) and not g["capturable"]  # capturable: on a GPU only
+    again = build(tiny_config(tmp_path, optimizer="adam", fused_optimizer=True))
+    again.load_checkpoint(compiled.save_checkpoint(tmp_path / "compiled"))
+    g = again.optimizer.param_groups[0]
+    assert g["fused"] and isinstance(g["lr"], float)
+    again.train_step(x)  # the fused step runs on the restored state
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(compile_optimizer=True, fused_optimizer=True), "set fused_optimizer=False, or compile_optimizer=False"),
     (dict(compile_optimizer=True, precision="fp16"), "use precision='bf16'"),
