@@ -184,7 +184,10 @@ def memory_cap_gib() -> float | None:
     return cap
 
 
-OTHERS_MIN_GIB = 1.0  # less than this missing from the card is this process's own CUDA context (0.3-0.6 GiB), not others'
+# Less than this missing from the card, beyond this process's allocator, is taken for this process's own footprint
+# outside the allocator: the CUDA context (0.3-0.6 GiB) and the library modules it loads lazily as cuDNN, cuBLAS and
+# Triton kernels first run (without NVML, which the series does not install, a process cannot read its own total).
+OTHERS_MIN_GIB = 2.0
 
 
 def gpu_memory_gib(device: torch.device | str | None = None) -> float:
