@@ -367,6 +367,22 @@ def test_compare_on_cuda_interleaves_an_eager_and_a_cuda_graph_step_and_reports_
     assert "reserved (MiB)" in c.table().columns
 
 
+def test_a_lone_process_after_a_training_step_does_not_count_itself_as_others(tmp_path):
+    """gpu_memory_gib takes what is missing from the card beyond this process's allocator for other processes' once it
+    reaches OTHERS_MIN_GIB: this process's own context and the modules cuDNN, cuBLAS and SDPA load must stay below it,
+    or every notebook past its first step would size its batches as if the GPU were shared."""
+    t = build(tiny_config(tmp_path, device="cuda", precision=env.mixed_precision("cuda"), attention="sdpa",
+                          cudnn_benchmark=True))
+    t.train_step(_batch(8))
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    free, _ = torch.cuda.mem_get_info(0)
+    outside = total - (free + torch.cuda.memory_reserved(0)) / 2**30
+    print(f"outside the allocator after a step: {outside:.2f} GiB")
+    assert outside < env.OTHERS_MIN_GIB, outside
+    assert env.gpu_memory_gib("cuda") == pytest.approx(total)
+
+
 def test_a_16_gb_cap_makes_the_gpu_refuse_more_and_the_fast_preset_size_for_it(monkeypatch):
     """DDPM_GPU_MEMORY_GB=16 rehearses a 16 GB card (a T4) on a bigger one: env.show applies it."""
     from ddpm_core import env
