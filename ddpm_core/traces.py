@@ -588,8 +588,15 @@ def _per_kind(trace: dict, gpu: bool) -> pd.DataFrame:
         df = df.groupby("name", as_index=False).agg(calls=("time", "size"), time=("time", "sum"))
         df["kind"] = df["name"].map(kernel_kind)
         share = df["name"].map(launched_by_convolution({0: trace})).fillna(0.0).where(df["kind"] == "matmul (cuBLAS)", 0.0)
-        moved = df[share > 0].assign(time=lambda d: d["time"] * share[share > 0], calls=0, kind="convolution (cuDNN)")
-        df = pd.concat([df.assign(time=df["time"] * (1 - share)), moved], ignore_index=True)
+        # the time splits by who launched it; the name and its calls go with the larger part (appeared / vanished count
+        # names: a GEMM kernel that convolutions launched is one of the convolution's)
+        conv = share >= 0.5
+        split = df[(share > 0) & (share < 1)].assign(
+            time=lambda d: d["time"] * (1 - share[d.index]).where(conv[d.index], share[d.index]), calls=0,
+            kind=lambda d: d["kind"].where(conv[d.index], "convolution (cuDNN)"))
+        df = df.assign(time=df["time"] * share.where(conv, 1 - share),
+                       kind=df["kind"].where(~conv, "convolution (cuDNN)"))
+        df = pd.concat([df, split], ignore_index=True)
     else:
         ops = _cpu_op_breakdown({0: trace})
         df = pd.DataFrame({"name": ops["name"], "calls": ops["calls"], "time": ops["self_us"], "kind": ops["name"].map(_category)})
