@@ -1574,8 +1574,8 @@ def loader_rounds(settings: Sequence[tuple[str, Callable[[], Any]]], step: Calla
     ``settings``: (name, make) pairs, ``make()`` building that setting's loader. Each round builds every loader afresh
     (a loader kept alive between rounds would go on decoding in its workers while the others are timed, and start
     its next round with batches ready), leaves out its first ``warmup`` batches and times ``steps``, spread over the
-    rounds (at least 2 a round). Returns, per name, ``loader_timing``'s numbers over every round's steps pooled, and
-    ``rounds``.
+    rounds (at least 2 a round). Returns, per name, ``loader_timing``'s numbers over every round's steps pooled,
+    ``rounds`` and ``steps`` (the timed steps pooled).
     """
     if rounds < 1 or not settings:
         raise ValueError(f"loader_rounds needs rounds >= 1 and at least one setting, got {rounds} and {len(settings)}")
@@ -1587,7 +1587,8 @@ def loader_rounds(settings: Sequence[tuple[str, Callable[[], Any]]], step: Calla
             pooled[name]["waits"] += t["waits_ms"]
             pooled[name]["computes"] += t["computes_ms"]
             pooled[name]["images"] += t["images"]
-    return {name: {**_loader_summary(p["waits"], p["computes"], p["images"]), "rounds": rounds} for name, p in pooled.items()}
+    return {name: {**_loader_summary(p["waits"], p["computes"], p["images"]), "rounds": rounds, "steps": len(p["waits"])}
+            for name, p in pooled.items()}
 
 
 def loader_throughput(loader: Any, batches: int, warmup: int = 2, device: torch.device | str | None = None) -> dict[str, float]:

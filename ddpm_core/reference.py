@@ -428,7 +428,8 @@ PEERS_NOTEBOOK = "09b_the_fastest_step"
 
 
 def _number(r, column: str) -> float | None:
-    v = r.get(column) if hasattr(r, "get") else None
+    """``r[column]`` as a float, or None where the row has no number there."""
+    v = r.get(column)
     try:
         v = float(v)
     except (TypeError, ValueError):
@@ -440,6 +441,8 @@ def peers_markdown(folder: Path) -> str:
     """The README's race: notebook 09b's contenders from a reference's results.csv, its measured ceiling and its
     quality verdict ("" before 09b has run there). A ratio against ours (baseline), and between ours (fast) and each
     peer at the same batch, only where ``bench.Comparison`` would state one (``_comparison_from_rows``)."""
+    from .bench_peers import same_network
+
     rows = results(folder, PEERS_NOTEBOOK)
     if not len(rows) or "variant" not in rows:
         return ""
@@ -459,7 +462,7 @@ def peers_markdown(folder: Path) -> str:
     for i, r in race.iterrows():
         tf, mfu, mem = _number(r, "tflops"), _number(r, "mfu"), _number(r, "peak_memory_gib")
         ratio = "1.00x" if i == 0 else cmp.factor(ms[i])
-        same_net = str(r["variant"]).startswith("ours (") or r["variant"] == "diffusers"
+        same_net = same_network(str(r["variant"]), smoke=False)  # the README shows full-mode runs only
         of_ceil = (f"{100 * tf / ceil_tflops:.1f}%" if same_net and tf is not None and ceil_tflops else
                    "n/a (other network)" if not same_net else "n/a")
         lines.append(f"| {r['variant']} | {int(r['batch_size'])} | {r.get('precision', '')} | {float(r['median_ms']):.1f} "

@@ -186,7 +186,7 @@ def test_loader_rounds_interleave_the_settings_build_each_loader_afresh_and_pool
     out = bench.loader_rounds([("slow", lambda: Loader("slow", 0.02)), ("fast", lambda: Loader("fast", 0.0))],
                               lambda x: None, steps=5, warmup=1, rounds=3)
     assert order == ["slow", "fast", "fast", "slow", "slow", "fast"]  # A B, B A, A B: a fresh loader every round
-    assert out["slow"]["rounds"] == 3 and out["slow"]["data_wait_ms"] >= 19 > 5 > out["fast"]["data_wait_ms"]
+    assert out["slow"]["rounds"] == 3 and out["slow"]["steps"] == 6 and out["slow"]["data_wait_ms"] >= 19 > 5 > out["fast"]["data_wait_ms"]
     # 5 steps over 3 rounds: 2 a round, 6 pooled, every one of them a 2-image batch
     assert out["fast"]["images_per_s"] > out["slow"]["images_per_s"] and 6 * 2 / (6 * 0.03) <= out["slow"]["images_per_s"]
     with pytest.raises(ValueError, match="rounds >= 1 and at least one setting"):
