@@ -24,6 +24,7 @@ Every optimization the series teaches is a switch on this one code path:
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Sequence
 
@@ -408,6 +409,43 @@ def preset(name: str, **overrides: Any) -> UNet:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return UNet(**{**PRESETS[name], **overrides})
+
+
+def register_preset(name: str, base: str = "ddpm-cifar10", **overrides: Any) -> str:
+    """Add a named preset: `base`'s settings with `overrides` (any `UNet` keyword) on top; returns `name`.
+
+    Afterwards `preset(name)` builds it and `TrainConfig(model=name)` accepts it, in this process (a new
+    process, such as a `torchrun` worker or a resumed run, registers it again before using it). Registering
+    the same settings under the same name again does nothing, so a notebook cell that does it can be rerun;
+    other settings under a name already taken are refused. The settings are checked by building the model
+    once, so a wrong one fails here, with its reason, rather than in the first training step."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"a preset needs a non-empty name, got {name!r}")
+    if base not in PRESETS:
+        raise ValueError(f"unknown base preset {base!r}; choose one of {sorted(PRESETS)}")
+    accepted = [k for k in inspect.signature(UNet.__init__).parameters if k != "self"]
+    unknown = sorted(set(overrides) - set(accepted))
+    if unknown:
+        raise TypeError(f"register_preset({name!r}): {', '.join(unknown)} is not a UNet setting; "
+                        f"the settings are {', '.join(accepted)}")
+    settings = {**PRESETS[base], **overrides}
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
+    if name in PRESETS:
+        if PRESETS[name] == settings:
+            return name
+        raise ValueError(f"preset {name!r} already exists with other settings ({PRESETS[name]}); "
+                         "register these under another name")
+    levels = len(settings.get("channel_mult", (1, 2, 2, 2)))
+    size = settings.get("image_size", 32)
+    resolutions = [size // 2**i for i in range(levels)]
+    missing = sorted(set(settings.get("attn_resolutions", ())) - set(resolutions))
+    if missing:
+        raise ValueError(f"register_preset({name!r}): attn_resolutions {missing} match no level of this UNet; "
+                         f"its feature maps are {resolutions} pixels wide")
+    with torch.device("meta"):
+        UNet(**settings)  # raises on a setting UNet refuses; on the meta device nothing is allocated
+    PRESETS[name] = settings
+    return name
 
 
 def count_parameters(model: nn.Module) -> int:

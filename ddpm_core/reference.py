@@ -502,16 +502,34 @@ def peers_markdown(folder: Path) -> str:
             "notebook):\n\n" + "\n".join(lines) + ("\n\n" + ". ".join(said) + "." if said else ""))
 
 
-def last_stage_trace_markdown(folder: Path) -> str:
-    """Where the GPU time of 09's last stage goes, from its committed trace: GPU idle (HTA's temporal breakdown) and
-    kernel time by kind (``traces.kernel_kinds``); "" where the trace is not committed or holds no GPU kernels."""
+def _last_stage_report(folder: Path):
+    """HTA's report of 09's last stage in a reference folder's committed trace, or None (no such trace, or no GPU
+    kernels in it)."""
     from . import traces as tr
 
     run = Path(folder) / "traces" / STAGES_NOTEBOOK / "final"
     if not run.is_dir():
-        return ""
+        return None
     rep = tr.analyze(run, verbose=False)
-    if not rep.has_gpu or rep.kernel_kinds is None:
+    return rep if rep.has_gpu and rep.kernel_kinds is not None else None
+
+
+def last_stage_kinds(root: Path | None = None):
+    """Kernel time by kind (``traces.kernel_kinds``) of 09's last stage, from the newest reference run (by its date)
+    whose trace of that stage is committed: ``(folder, table)``, or None where no reference run has one."""
+    runs = sorted(reference_runs(root), key=lambda f: str(meta(f).get("date", "")), reverse=True)
+    for folder in runs:
+        rep = _last_stage_report(folder)
+        if rep is not None:
+            return folder, rep.kernel_kinds
+    return None
+
+
+def last_stage_trace_markdown(folder: Path) -> str:
+    """Where the GPU time of 09's last stage goes, from its committed trace: GPU idle (HTA's temporal breakdown) and
+    kernel time by kind (``traces.kernel_kinds``); "" where the trace is not committed or holds no GPU kernels."""
+    rep = _last_stage_report(folder)
+    if rep is None:
         return ""
     kinds = rep.kernel_kinds[rep.kernel_kinds["percentage"] >= 1]
     idle = (f"the GPU idle {float(rep.temporal['idle_time_pctg'].mean()):.1f}% of the profiled steps; "

@@ -276,3 +276,28 @@ def test_group16_trains_a_step_and_its_parameters_stay_fp32():
     norms = [m for m in t.model.modules() if isinstance(m, GroupNorm16)]
     assert norms and all(m.weight.dtype == torch.float32 for m in norms)  # the parameters stay fp32 (autocast's rule)
     assert all(m.weight.grad is None or m.weight.grad.dtype == torch.float32 for m in norms)
+
+
+def test_register_preset_adds_a_checked_preset_that_trainconfig_accepts(monkeypatch):
+    from ddpm_core import model as model_lib
+    from ddpm_core.train import TrainConfig
+
+    monkeypatch.setattr(model_lib, "PRESETS", dict(model_lib.PRESETS))  # leave the module's presets as they were
+    monkeypatch.setattr("ddpm_core.train.PRESETS", model_lib.PRESETS)
+    name = model_lib.register_preset("tiny+attn32", base="tiny", attn_resolutions=[32, 16])
+    assert name == "tiny+attn32" and model_lib.PRESETS[name]["attn_resolutions"] == (32, 16)
+    assert sum(isinstance(m, AttnBlock) for m in preset(name).modules()) > sum(
+        isinstance(m, AttnBlock) for m in preset("tiny").modules())
+    assert TrainConfig(model=name).model == name
+    assert model_lib.register_preset(name, base="tiny", attn_resolutions=(32, 16)) == name  # a rerun cell is fine
+    with pytest.raises(ValueError, match="already exists with other settings"):
+        model_lib.register_preset(name, base="tiny", attn_resolutions=(16,))
+    with pytest.raises(ValueError, match=r"match no level of this UNet; its feature maps are \[32, 16, 8\]"):
+        model_lib.register_preset("odd", base="tiny", attn_resolutions=(12,))
+    with pytest.raises(TypeError, match="heads is not a UNet setting"):
+        model_lib.register_preset("odd", base="tiny", heads=4)
+    with pytest.raises(ValueError, match="unknown base preset"):
+        model_lib.register_preset("odd", base="huge")
+    with pytest.raises(ValueError, match="norm must be one of"):
+        model_lib.register_preset("odd", base="tiny", norm="batch")
+    assert "odd" not in model_lib.PRESETS  # nothing half-registered

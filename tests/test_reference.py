@@ -1173,3 +1173,17 @@ def test_code_sha1_ignores_markdown_and_outputs_but_not_code():
     assert reference.code_sha1(nb([md, {**a, "source": "x = 1\nprint(x)"}, b])) == base  # list or string source
     assert reference.code_sha1(nb([md, {**a, "source": ["x = 2\n", "print(x)"]}, b])) != base
     assert reference.code_sha1(nb([md, b, a])) != base
+
+
+def test_last_stage_kinds_reads_the_newest_reference_run_that_has_the_trace(tmp_path):
+    """09b's "Two suspects" reads its shares from here: the H200's committed trace of 09's last stage (the H100's
+    reference has none), and None where no reference run has that trace."""
+    from ddpm_core import reference
+
+    folder, kinds = reference.last_stage_kinds()
+    assert folder.name == "h200"
+    share = dict(zip(kinds["kernel_type"], kinds["percentage"]))
+    assert 10 < share["copies and layout changes"] < 25 and 35 < share["fused elementwise / norm (Triton)"] < 60
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "meta.json").write_text('{"device_name": "NVIDIA H100 80GB HBM3", "date": "2030-01-01"}')
+    assert reference.last_stage_kinds(tmp_path) is None
