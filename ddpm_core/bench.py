@@ -18,7 +18,7 @@ import re
 import statistics
 import time
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -613,6 +613,9 @@ NOISY_SPREAD = 0.25      # (p90 - p10) / median of one variant's repeats above t
 # A p10-p90 range needs a few timed calls to be a spread: from one call it is a point, from two their distance. With
 # fewer timed calls per variant than this, no ratio is stated.
 MIN_TIMED = 3
+# Fewer timed calls than this, and a stated factor no larger than the two variants' p10-p90 spread: the verdict calls it
+# a hint (a short run's range can miss a slow or a fast round that a longer one would catch)
+FEW_TIMED = 10
 NOISY_OTHER_CPU = 0.25   # other processes used more than this share of the machine's CPU time
 SUPERLINEAR = 1.05       # a scaling efficiency above this is a measurement problem, not a result
 
@@ -891,6 +894,25 @@ class Comparison:
         return a.images_per_s / b.images_per_s
 
     def verdict(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
+        return self._verdict(a, b)
+
+    def work_verdict(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
+        """``verdict`` by the rate of work (TFLOP/s), not images/s: for two networks whose FLOPs per image differ
+        (another implementation's UNet), where more images per second need not be a faster step. The same rules,
+        on the p10-p90 ranges of time per FLOP: a ratio only where they lie apart."""
+        a, b = self._m(a), self._m(b)
+        if a is b:
+            return "baseline"
+        if not (a.flops_per_step and b.flops_per_step and a.tflops and b.tflops):
+            return (f"not compared with {b.name}: the FLOPs of both were not counted, and images/s do not compare "
+                    "across networks")
+        by_work = Comparison([replace(m, batch_size=m.flops_per_step, images_per_s=m.tflops) for m in (a, b)],
+                             self.noise, rounds=self.rounds)
+        return by_work._verdict(*by_work.measurements, rate="the TFLOP/s", ranges="per-FLOP",
+                                words=("more work per second", "less work per second"))
+
+    def _verdict(self, a: Measurement | str, b: Measurement | str | None = None, rate: str = "the throughput",
+                 ranges: str = "per-image", words: tuple[str, str] = ("faster", "slower")) -> str:
         a, b = self._m(a), self._m(b)
         if a is b:
             return "baseline"
@@ -904,9 +926,14 @@ class Comparison:
                     f"{NOISY_SPREAD:.0%} apart (see the warning)")
         r = self.speedup(a, b)
         if r is None:
-            return f"no measurable difference from {b.name} at this noise level (their per-image p10-p90 ranges overlap)"
+            return f"no measurable difference from {b.name} at this noise level (their {ranges} p10-p90 ranges overlap)"
         # the direction first: b.name often ends in parentheses ("baseline (fp32, eager)"), and a "(faster)" after it nested them
-        return ("faster" if r > 1 else "slower") + f", at {r:.2f}x the throughput of {b.name}"
+        said = (words[0] if r > 1 else words[1]) + f", at {r:.2f}x {rate} of {b.name}"
+        timed, spread = min(a.iters, b.iters), max((m.p90_ms - m.p10_ms) / m.median_ms for m in (a, b))
+        if timed < FEW_TIMED and max(r, 1 / r) - 1 <= spread:  # the ranges lie apart, but from few calls and closely
+            said += (f" (a hint: from {timed} timed calls each, a factor within their repeats' spread of {spread:.0%} "
+                     "can be drift between rounds)")
+        return said
 
     def factor(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
         """The short form of ``verdict`` for a table cell: "1.23x", "noisy" or "no measurable difference"."""
@@ -943,10 +970,11 @@ class Comparison:
         t["speedup"] = ["1.00x (baseline)" if m is self.baseline else self.factor(m) for m in self.measurements]
         return t
 
-    def report(self, only: Sequence[str] | None = None) -> str:
+    def report(self, only: Sequence[str] | None = None, by_work: Sequence[str] = ()) -> str:
         """Markdown: the noise warning (if any) and one verdict per variant against the baseline; with ``only``, for
         those variants alone (a variant measured in the same rounds for scale, such as the whole step beside a part of
-        it, is no alternative to the baseline, and a ratio against it would mean nothing)."""
+        it, is no alternative to the baseline, and a ratio against it would mean nothing). The variants in ``by_work``
+        are other networks than the baseline's: their verdicts compare TFLOP/s (``work_verdict``), not images/s."""
         unknown = sorted(set(only or ()) - {m.name for m in self.measurements})
         if unknown:
             raise KeyError(f"report(only=...) names no measured variant: {unknown}; measured: {[m.name for m in self.measurements]}")
@@ -955,7 +983,8 @@ class Comparison:
             lines.append(f"**Warning.** {self.noise.warning()}")
         for m in self.measurements:
             if m is not self.baseline and (only is None or m.name in only):
-                lines.append(f"- **{m.name}**: {self.verdict(m)}.")
+                lines.append(f"- **{m.name}**: " + (f"another network, by the work done per second: {self.work_verdict(m)}."
+                                                      if m.name in by_work else f"{self.verdict(m)}."))
         for name, where in self.dropped.items():
             lines.append(f"- **{name}**: ran out of memory beside the other variants ({where}), so it is left out of "
                          "this comparison.")

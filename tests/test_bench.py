@@ -925,3 +925,41 @@ def test_cpu_load_does_not_read_a_stray_clock_tick_over_a_short_block_as_a_busy_
     # 6 s of other work in 10 s of 2 cores: 30%, less the 0.1 s the rounding can add
     assert long.other_share == pytest.approx((6.0 - 0.1) / 20)
     assert bench.Noise(cores=2, load_1min=0.0, other_cpu_share=long.other_share, spreads={}, threads=1).busy
+
+
+def test_two_networks_are_compared_by_their_rate_of_work_not_their_images():
+    """09b's peers: another network with half the FLOPs per image runs more images per second without doing more work.
+    work_verdict compares TFLOP/s, with the same rule on the per-FLOP ranges; a count missing says why not."""
+    def net(name, ms, flops_per_image, spread=0.02):
+        times = [ms * (1 - spread), ms, ms * (1 + spread)]
+        return bench._measurement(name, torch.device("cpu"), 8, ms, times, None, "n/a", None, 8 * flops_per_image, "fp32")
+
+    ours, small, slow_small = net("ours", 100, 4e9), net("small", 60, 1e9), net("slow small", 120, 1e9)
+    c = bench.Comparison([ours, small, slow_small], _quiet(ours, small, slow_small))
+    assert c.verdict("ours", "small").startswith("slower, at 0.60x the throughput of small")  # by images: misleading
+    assert c.work_verdict("ours", "small").startswith("more work per second, at 2.40x the TFLOP/s of small")
+    assert c.work_verdict("ours", "slow small").startswith("more work per second, at 4.80x")
+    near = net("near", 26, 1e9, spread=0.2)  # 4x fewer FLOPs in 0.26x the time: within the spread in work per second
+    c2 = bench.Comparison([ours, near], _quiet(ours, near))
+    assert c2.verdict("ours", "near").startswith("slower") and "per-FLOP p10-p90 ranges overlap" in c2.work_verdict("ours", "near")
+    uncounted = bench._measurement("uncounted", torch.device("cpu"), 8, 50, [49.0, 50.0, 51.0], None, "n/a", None, None, "fp32")
+    assert "FLOPs of both were not counted" in bench.Comparison([ours, uncounted], _quiet(ours, uncounted)).work_verdict("ours", "uncounted")
+    report = c.report(by_work=["small"])
+    assert "- **small**: another network, by the work done per second: less work per second, at 0.42x the TFLOP/s of ours" in report
+    assert "- **slow small**: slower, at 0.83x the throughput of ours" in report
+
+
+def test_a_factor_from_few_calls_within_the_spread_is_called_a_hint():
+    """09's "+ batch 16": 1.09x, its own range 11% of its median, from 3 timed steps a stage, beside a narrow baseline.
+    The ranges lie apart, so a ratio is stated, but as a hint; a factor beyond the spread, or from many calls, is not."""
+    base, wide = _fake("base", 100, spread=0.005), _fake("wide", 92, spread=0.07)
+    c = bench.Comparison([base, wide], _quiet(base, wide))
+    assert c.speedup("wide") == pytest.approx(100 / 92, rel=1e-6)
+    assert c.verdict("wide").startswith("faster, at 1.09x the throughput of base (a hint: from 3 timed calls each, a factor "
+                                        "within their repeats' spread of 11%")
+    far = _fake("far", 50, spread=0.07)
+    assert "hint" not in bench.Comparison([base, far], _quiet(base, far)).verdict("far")
+    many = [bench._measurement(n, torch.device("cpu"), 8, ms, [ms * (1 + s * (i - 5) / 5) for i in range(11)], None, "n/a",
+                               None, None, "fp32") for n, ms, s in (("base", 100, 0.005), ("wide", 92, 0.07))]
+    c_many = bench.Comparison(many, _quiet(*many))
+    assert c_many.speedup("wide") is not None and "hint" not in c_many.verdict("wide")
