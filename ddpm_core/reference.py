@@ -235,6 +235,18 @@ def results(folder: Path, notebook: str | None = None):
     return df
 
 
+def peak_gib(folder: Path, notebook: str, variant: str, batch_size: int, precision: str) -> tuple[float, str] | None:
+    """The peak memory (GiB) and what it measured (``memory_kind``) of one result row of ``notebook`` in a reference
+    folder: the row of ``variant`` at ``batch_size`` in ``precision``; None where the run has no such row."""
+    rows = results(folder, notebook)
+    if not len(rows) or "peak_memory_gib" not in rows:
+        return None
+    match = rows[(rows["variant"] == variant) & (rows["batch_size"] == batch_size) & (rows["precision"] == precision)]
+    if not len(match) or match["peak_memory_gib"].isna().iloc[0]:
+        return None
+    return float(match["peak_memory_gib"].iloc[0]), str(match["memory_kind"].iloc[0])
+
+
 def _result_table(df):
     cols = [(c, n) for c, n in RESULT_COLUMNS if c in df and df[c].notna().any()]
     out = df[[c for c, _ in cols]].rename(columns=dict(cols)).reset_index(drop=True)

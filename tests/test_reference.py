@@ -1187,3 +1187,13 @@ def test_last_stage_kinds_reads_the_newest_reference_run_that_has_the_trace(tmp_
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "meta.json").write_text('{"device_name": "NVIDIA H100 80GB HBM3", "date": "2030-01-01"}')
     assert reference.last_stage_kinds(tmp_path) is None
+
+
+def test_peak_gib_reads_one_row_of_a_reference_run():
+    """03b sets its batch-size estimate beside the peak the H200 measured for the same configuration."""
+    from ddpm_core import reference
+
+    got, kind = reference.peak_gib(reference.REFERENCE_DIR / "h200", "03b_memory", "no checkpointing", 128, "fp32")
+    assert 8.0 < got < 8.7 and kind.startswith("peak allocated, CUDA")
+    assert reference.peak_gib(reference.REFERENCE_DIR / "h200", "03b_memory", "no checkpointing", 64, "fp32") is None
+    assert reference.peak_gib(reference.REFERENCE_DIR / "h100-80gb-hbm3", "03b_memory", "no checkpointing", 128, "fp32") is None
