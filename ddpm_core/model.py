@@ -423,7 +423,8 @@ def register_preset(name: str, base: str = "ddpm-cifar10", **overrides: Any) -> 
         raise ValueError(f"a preset needs a non-empty name, got {name!r}")
     if base not in PRESETS:
         raise ValueError(f"unknown base preset {base!r}; choose one of {sorted(PRESETS)}")
-    accepted = [k for k in inspect.signature(UNet.__init__).parameters if k != "self"]
+    defaults = {k: p.default for k, p in inspect.signature(UNet.__init__).parameters.items() if k != "self"}
+    accepted = list(defaults)
     unknown = sorted(set(overrides) - set(accepted))
     if unknown:
         raise TypeError(f"register_preset({name!r}): {', '.join(unknown)} is not a UNet setting; "
@@ -435,10 +436,9 @@ def register_preset(name: str, base: str = "ddpm-cifar10", **overrides: Any) -> 
             return name
         raise ValueError(f"preset {name!r} already exists with other settings ({PRESETS[name]}); "
                          "register these under another name")
-    levels = len(settings.get("channel_mult", (1, 2, 2, 2)))
-    size = settings.get("image_size", 32)
-    resolutions = [size // 2**i for i in range(levels)]
-    missing = sorted(set(settings.get("attn_resolutions", ())) - set(resolutions))
+    full = {**defaults, **settings}  # what UNet will build: its own defaults under the preset's settings
+    resolutions = [full["image_size"] // 2**i for i in range(len(full["channel_mult"]))]
+    missing = sorted(set(full["attn_resolutions"]) - set(resolutions))
     if missing:
         raise ValueError(f"register_preset({name!r}): attn_resolutions {missing} match no level of this UNet; "
                          f"its feature maps are {resolutions} pixels wide")
