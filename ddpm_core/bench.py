@@ -801,10 +801,11 @@ class Noise:
         """Whether the repeats of variant ``name`` spread by more than ``NOISY_SPREAD`` of their median."""
         return self.spreads.get(name, 0.0) > NOISY_SPREAD
 
-    def warning(self, rule: str | None = None, busy_rule: str | None = None) -> str:
+    def warning(self, rule: str | None = None, busy_rule: str | None = None, ranges: str = "per-image") -> str:
         """'' on a quiet run; else why, and which ratios are still stated: ``Comparison``'s rule, or
         ``rule`` where the caller compares by its own (a spread-only warning then ends with it); on a busy run
-        ``busy_rule``, where the caller still states something (default: no speedup at all)."""
+        ``busy_rule``, where the caller still states something (default: no speedup at all). ``ranges`` names what
+        each timed call measured, where it is not images (``"per-epoch"`` for a variant that runs one epoch)."""
         if not self.noisy:
             return ""
         if self.busy:
@@ -812,7 +813,7 @@ class Noise:
                 busy_rule or "No speedup is stated from this run; rerun on a quiet machine (close other programs) or "
                              "with more rounds."))
         if rule is None:
-            rule = ("Where a variant spread that widely, a ratio is stated only if the two per-image p10-p90 ranges "
+            rule = (f"Where a variant spread that widely, a ratio is stated only if the two {ranges} p10-p90 ranges "
                     f"lie at least {NOISY_SPREAD:.0%} apart (the slower one's p10 against the faster one's p90); "
                     "closer pairs are not compared. Rerun on a quiet machine (close other programs) or with more "
                     "rounds to compare them all.")
@@ -893,8 +894,10 @@ class Comparison:
             return None
         return a.images_per_s / b.images_per_s
 
-    def verdict(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
-        return self._verdict(a, b)
+    def verdict(self, a: Measurement | str, b: Measurement | str | None = None, ranges: str = "per-image") -> str:
+        """How ``a`` compares with ``b`` (default: the baseline), by ``speedup``'s rules. ``ranges`` names what each
+        timed call measured, where it is not images (``"per-epoch"`` for variants that each run one epoch)."""
+        return self._verdict(a, b, ranges=ranges)
 
     def work_verdict(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
         """``verdict`` by the rate of work (TFLOP/s), not images/s: for two networks whose FLOPs per image differ

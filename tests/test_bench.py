@@ -495,6 +495,9 @@ def test_wide_repeats_withhold_only_the_ratios_the_spread_can_explain():
     assert c.separated("close") and c.too_close_for_the_spread("close")
     assert c.speedup("close") is None and "lie less than 25% apart" in c.verdict("close")
     assert c.speedup("same") is None and "no measurable difference" in c.verdict("same")
+    # variants that each time one epoch (07's persistent workers) name their ranges so, in the verdict and the warning
+    assert "their per-epoch p10-p90 ranges overlap" in c.verdict("same", ranges="per-epoch")
+    assert "two per-epoch p10-p90 ranges" in noise.warning(ranges="per-epoch") and "per-image" not in noise.warning(ranges="per-epoch")
     assert list(c.table()["speedup"]) == ["1.00x (baseline)", "0.08x", "noisy", "no measurable difference"]
     assert "Noisy repeats" in noise.warning() and "at least 25% apart" in noise.warning()
     own = noise.warning(rule="No efficiency is stated.")  # a caller that compares by its own rule says so instead
