@@ -932,11 +932,22 @@ class Comparison:
             return f"no measurable difference from {b.name} at this noise level (their {ranges} p10-p90 ranges overlap)"
         # the direction first: b.name often ends in parentheses ("baseline (fp32, eager)"), and a "(faster)" after it nested them
         said = (words[0] if r > 1 else words[1]) + f", at {r:.2f}x {rate} of {b.name}"
+        hint = self.hint(a, b)
+        return said + (f" ({hint})" if hint else "")
+
+    def hint(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
+        """'' unless the ratio of ``a`` to ``b`` is stated but only as a hint: the ranges lie apart, but from fewer than
+        ``FEW_TIMED`` timed calls each and by a factor within their repeats' spread; then the words that say so (which
+        ``verdict`` appends). A number derived from that ratio (04's break-even step count) carries them too."""
+        a, b = self._m(a), self._m(b)
+        r = self.speedup(a, b)
+        if r is None or a is b:
+            return ""
         timed, spread = min(a.iters, b.iters), max((m.p90_ms - m.p10_ms) / m.median_ms for m in (a, b))
         if timed < FEW_TIMED and max(r, 1 / r) - 1 <= spread:  # the ranges lie apart, but from few calls and closely
-            said += (f" (a hint: from {timed} timed calls each, a factor within their repeats' spread of {spread:.0%} "
-                     "can be drift between rounds)")
-        return said
+            return (f"a hint: from {timed} timed calls each, a factor within their repeats' spread of {spread:.0%} "
+                    "can be drift between rounds")
+        return ""
 
     def factor(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
         """The short form of ``verdict`` for a table cell: "1.23x", "noisy" or "no measurable difference"."""
@@ -966,11 +977,24 @@ class Comparison:
         return (f"**{best.name}** had the highest median throughput (img/s), but it cannot be told apart from "
                 + ", ".join(f"**{m.name}**" for m in ties) + " at this noise level.")
 
-    def table(self) -> "pd.DataFrame":
-        """``summary_table`` with the spread of each variant and the verdict-aware speedup column."""
+    def work_factor(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
+        """``factor`` by the rate of work (TFLOP/s), as ``work_verdict``: for a table cell of another network."""
+        a, b = self._m(a), self._m(b)
+        if not (a.flops_per_step and b.flops_per_step and a.tflops and b.tflops):
+            return "other network, FLOPs not counted"
+        by_work = Comparison([replace(m, batch_size=m.flops_per_step, images_per_s=m.tflops) for m in (a, b)],
+                             self.noise, rounds=self.rounds)
+        f = by_work.factor(*by_work.measurements)
+        return f"{f} by TFLOP/s (other network)" if f.endswith("x") else f"{f} (other network, by TFLOP/s)"
+
+    def table(self, by_work: Sequence[str] = ()) -> "pd.DataFrame":
+        """``summary_table`` with the spread of each variant and the verdict-aware speedup column. The variants in
+        ``by_work`` are other networks than the baseline's: their cell compares TFLOP/s (``work_factor``), since
+        images/s do not compare across networks."""
         t = summary_table(self.measurements, baseline=self.measurements.index(self.baseline))
         t["p10-p90 ms"] = [f"{m.p10_ms:.1f}-{m.p90_ms:.1f}" for m in self.measurements]
-        t["speedup"] = ["1.00x (baseline)" if m is self.baseline else self.factor(m) for m in self.measurements]
+        t["speedup"] = ["1.00x (baseline)" if m is self.baseline else self.work_factor(m) if m.name in by_work
+                        else self.factor(m) for m in self.measurements]
         return t
 
     def report(self, only: Sequence[str] | None = None, by_work: Sequence[str] = ()) -> str:
@@ -1625,7 +1649,11 @@ def loader_rounds(settings: Sequence[tuple[str, Callable[[], Any]]], step: Calla
 
 def loader_throughput(loader: Any, batches: int, warmup: int = 2, device: torch.device | str | None = None) -> dict[str, float]:
     """Images per second that ``loader`` delivers on its own (no training step): what the data path
-    could feed a step that took no time. Synchronized with the device after each batch."""
+    could feed a step that took no time. Synchronized with the device after each batch.
+
+    ``batch_ms`` is the mean time per batch (the images/s in other units); ``batch_ms_median`` the median. With
+    worker processes batches arrive in bursts: those already decoded while the loop waited for another come at once,
+    so the median can lie far under the mean, which is what sets the rate."""
     device = torch.device(device) if device is not None else getattr(loader, "device", torch.device("cpu"))
     from .data import forever
 
@@ -1639,4 +1667,5 @@ def loader_throughput(loader: Any, batches: int, warmup: int = 2, device: torch.
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             images += x.shape[0]
-    return {"loader_images_per_s": images / sum(times), "batch_ms": 1e3 * statistics.median(times)}
+    return {"loader_images_per_s": images / sum(times), "batch_ms": 1e3 * sum(times) / len(times),
+            "batch_ms_median": 1e3 * statistics.median(times)}
