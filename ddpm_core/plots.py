@@ -149,8 +149,11 @@ def image_grid_figure(images: torch.Tensor, title: str | None = None, nrow: int 
 
 
 def _wrap(title: str, inches: float) -> str:
-    """Wrap each line of a title to the figure's width (about 14 characters per inch at font size 9)."""
-    return "\n".join(textwrap.fill(line, width=max(20, int(14 * inches))) for line in title.split("\n"))
+    """Wrap each line of a title to the figure's width (about 14 characters per inch at font size 9). A " · "-separated
+    part that fits on a line is kept whole (no-break spaces): "torch 2.14.1" is never split between two lines."""
+    width = max(20, int(14 * inches))
+    return "\n".join(textwrap.fill(" · ".join(p.replace(" ", "\u00a0") if len(p) <= width else p for p in line.split(" · ")),
+                                    width=width) for line in title.split("\n"))
 
 
 def save_image_grid(images: torch.Tensor, name: str, title: str | None = None) -> Path:
@@ -603,6 +606,8 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
         legend_below(ax, fontsize=8, ncol=2)
     else:
         ax.legend(fontsize=8)
+    # every gridline of the log axis labelled, down to the lowest curve (06's once ended at 0.61 under a lowest label of 0.7)
+    log_ticks(ax, extend_down=True)
     return fig
 
 
@@ -643,7 +648,9 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
         e = evens.get(i)
         if e is not None and 0 < e <= horizon:
             ax2.axvline(e, color=f"C{i}", ls=":", lw=1)
-            ax2.annotate(f"pays off after {e:,.0f} steps", (e, (r["first_ms"] + e * r["median_ms"]) / 1e3),
+            hinted = comparison is not None and comparison.hint(r["name"], base["name"])  # a ratio stated as a hint
+            ax2.annotate(f"pays off after {e:,.0f} steps" + (" (a hint: few timed calls)" if hinted else ""),
+                         (e, (r["first_ms"] + e * r["median_ms"]) / 1e3),
                          xytext=(4, -12), textcoords="offset points", fontsize=8, color=f"C{i}")
         elif i and comparison is not None and r["median_ms"] < base["median_ms"]:
             ax2.annotate("no measurable speedup: no break-even stated", (horizon, (r["first_ms"] + horizon * r["median_ms"]) / 1e3),
@@ -660,7 +667,8 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
     """Left: full-model step time per variant. Middle and right: attention alone (forward +
     backward) against sequence length: time and peak memory, for each implementation.
 
-    ``model_rows``: name, median_ms. ``micro``: impl, seq_len, median_ms, peak_memory_mib.
+    ``model_rows``: name, median_ms. ``micro``: impl, seq_len, median_ms, peak_memory_mib (and p10_ms, p90_ms: drawn
+    as each time's range, where present).
     With ``comparison`` (a ``bench.Comparison`` of the rows) and ``versus`` (row name -> the row it
     is compared with), each such bar also says its speedup, or "within noise" where none is stated."""
     set_style()
@@ -679,8 +687,12 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
     ax.set_xlabel("ms per training step (full model)" + ("\nin parentheses: speed against " + ", ".join(sorted(set(versus.values())))
                                                          if comparison is not None and versus else ""))
     ax.set_title("whole training step", fontsize=9)
+    spread = {"p10_ms", "p90_ms"} <= set(micro.columns)
     for i, (impl, g) in enumerate(micro.groupby("impl", sort=False)):
         axes[1].loglog(g["seq_len"], g["median_ms"], marker="o", color=f"C{i}", label=impl)
+        if spread:  # the p10-p90 range of each point: two medians whose ranges overlap are not told apart
+            axes[1].errorbar(g["seq_len"], g["median_ms"], yerr=[g["median_ms"] - g["p10_ms"], g["p90_ms"] - g["median_ms"]],
+                             fmt="none", ecolor=f"C{i}", capsize=4, lw=1)
         axes[2].loglog(g["seq_len"], g["peak_memory_mib"], marker="o", color=f"C{i}", label=impl)
     kind = micro["memory_kind"].dropna().iloc[0] if "memory_kind" in micro and micro["memory_kind"].notna().any() else ""
     for a, what in ((axes[1], "ms, forward + backward"), (axes[2], textwrap.fill(f"memory (MiB): {kind}", 30) if kind else "peak memory (MiB)")):
@@ -690,7 +702,7 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
         a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         a.set_ylabel(what)
         a.legend(fontsize=8)
-    axes[1].set_title("attention alone: time", fontsize=9)
+    axes[1].set_title("attention alone: time" + (" (bars: p10-p90 of the repeats)" if spread else ""), fontsize=9)
     axes[2].set_title("attention alone: memory (math keeps the N x N scores; SDPA does not)", fontsize=9)
     return _checked(_suptitle(fig, title, label), comparison is not None)
 
@@ -928,10 +940,14 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
     ``df``: rows with ``world_size``, ``precision``, ``batch_per_process`` and ``images_per_s``."""
     set_style()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, ((world, precision), g) in enumerate(df.groupby(["world_size", "precision"], sort=True)):
+    # one hue per process count, a line style per precision: the palette's orange and vermillion (C1, C3) looked alike
+    hues = [f"C{k}" for k in (0, 2, 4, 7, 9, 1)]
+    worlds = sorted(df["world_size"].unique())
+    for (world, precision), g in df.groupby(["world_size", "precision"], sort=True):
         g = g.sort_values("batch_per_process")
-        ax.plot(g["batch_per_process"], images / g["images_per_s"], marker="o", color=f"C{i}",
-                ls="-" if precision == "fp32" else "--", label=f"{world} process{'es' if world > 1 else ''}, {precision}")
+        ax.plot(g["batch_per_process"], images / g["images_per_s"], marker="o" if precision == "fp32" else "s",
+                color=hues[worlds.index(world) % len(hues)], ls="-" if precision == "fp32" else "--",
+                label=f"{world} process{'es' if world > 1 else ''}, {precision}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     log_ticks(ax)  # labelled gridlines, not a crammed column of minor-tick labels

@@ -313,6 +313,28 @@ def step_spans(events: list[dict]) -> list[dict]:
             and str(e.get("name", "")).startswith("ProfilerStep#")]
 
 
+def phase_ms(trace_dir: str | Path, step: int = 0) -> dict[str, float]:
+    """The host's time in each ``Trainer.train_step`` phase (``forward``, ``backward``, ``optimizer``, ``ema``: the
+    ``train_step/`` spans it labels) in profiled step ``step`` of rank 0's trace, in ms: the step ``diff`` compares
+    (the first). A phase that runs the same eager code in two traces (the update after backward, which
+    ``torch.compile`` leaves eager) is a yardstick for how much the machine itself moved between them."""
+    files, raw = _rank_map(Path(trace_dir).resolve())
+    evs = [e for e in raw[min(raw)]["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted(step_spans(evs), key=lambda e: e["ts"])
+    if not steps:
+        raise TraceError(f"no ProfilerStep# spans in {files[min(raw)]}: capture it with profiling.capture")
+    span = steps[min(step, len(steps) - 1)]
+    start, end = span["ts"], span["ts"] + span.get("dur", 0)
+    out: dict[str, float] = {}
+    for e in evs:
+        name = str(e.get("name", ""))
+        if (name.startswith("train_step/") and e.get("cat") != "gpu_user_annotation"
+                and start <= e["ts"] and e["ts"] + e.get("dur", 0) <= end):
+            key = name[len("train_step/"):]
+            out[key] = out.get(key, 0.0) + e.get("dur", 0) / 1e3
+    return out
+
+
 def _cpu_temporal(traces: dict[int, dict]) -> pd.DataFrame:
     """Per rank, how the profiled steps' wall time on the main thread splits into compute
     operators (convolutions, matmuls), other operators, and time outside any operator (Python,
@@ -656,15 +678,18 @@ def _own_diff(before: Path, after: Path) -> pd.DataFrame:
 # makes after casting), so their counts double between an fp32 and an autocast trace while the work does not.
 # Checked on torch 2.14.1 (CPU autocast, bf16): one conv2d under autocast shows aten::conv2d twice and aten::convolution once.
 AUTOCAST_RECORDED_TWICE = {"aten::conv2d", "aten::conv1d", "aten::conv3d", "aten::linear", "aten::matmul", "aten::bmm",
-                           "aten::mm", "aten::addmm", "aten::baddbmm"}
+                           "aten::mm", "aten::addmm", "aten::baddbmm", "aten::scaled_dot_product_attention"}
 
 
-def diff_summary(changed: pd.DataFrame, what: str = "operators", autocast_changed: bool = False) -> str:
+def diff_summary(changed: pd.DataFrame, what: str = "operators", autocast_changed: bool = False,
+                 autocast_after: bool | None = None) -> str:
     """One sentence from a ``diff`` table, its counts read from the ``change`` column (never assumed):
     how many of the rows vanished, appeared, ran more / fewer / as many times, and the biggest change.
 
     ``autocast_changed``: the two traces differ in autocast (fp32 against bf16, say). Then an operator autocast wraps
-    whose count exactly doubled or halved is said to have changed in count only (see ``AUTOCAST_RECORDED_TWICE``)."""
+    whose count exactly doubled or halved is said to have changed in count only (see ``AUTOCAST_RECORDED_TWICE``).
+    ``autocast_after``: which side ran autocast (True: the second trace), where known. Then such an operator that
+    appeared on the autocast side (SDPA, once the math attention is gone) is said to count each of its calls twice."""
     n = changed["change"].value_counts()
     parts = [f"**{n.get(k, 0)}** {label}" for k, label in
              [("vanished", "vanished (no calls after)"), ("appeared", "appeared (no calls before)"),
@@ -688,6 +713,15 @@ def diff_summary(changed: pd.DataFrame, what: str = "operators", autocast_change
              "under autocast the profiler records each such call twice (autocast's layer calls the operator again once "
              "it has cast the inputs), so the count of the operator beneath (`aten::convolution` for a convolution) is "
              "the one that counts the work.")
+    side, count = (("appeared", "calls after") if autocast_after else ("vanished", "calls before"))
+    new_twice = [(r["name"], int(r[count])) for _, r in changed.iterrows()
+                 if autocast_changed and autocast_after is not None and str(r["name"]) in AUTOCAST_RECORDED_TWICE
+                 and r["change"] == side and r[count] > 0 and r[count] % 2 == 0]
+    twice += ("" if not new_twice else
+              " " + ", ".join(f"`{n}` ({c} calls)" for n, c in new_twice) + " ran only in the trace with autocast, "
+              "which records each such call twice: " + (" and ".join(str(c // 2) for _, c in new_twice))
+              + f" call{'s' if new_twice[0][1] != 2 or len(new_twice) > 1 else ''} of work"
+              + (", in that order." if len(new_twice) > 1 else "."))
     return f"Of the {len(changed)} {what} whose time changed most, {listed}.{biggest}{twice}"
 
 

@@ -62,6 +62,13 @@ def test_the_step_is_split_into_labelled_phases_and_spans_are_not_operators(cpu_
     assert not any(n.startswith("train_step/") for n in traces.analyze(cpu_capture.trace_dir, verbose=False).cpu_ops["name"])
     with pytest.raises(ValueError, match="no train_step/ phases"):
         profiling.step_phases(cpu_capture.op_table())
+    # the same phases read from the trace file, one step at a time (04's yardstick: the eager update in two traces)
+    first = traces.phase_ms(cpu_capture.trace_dir)
+    assert set(first) == {"forward", "backward", "optimizer", "ema"} and all(v > 0 for v in first.values())
+    per_step = [traces.phase_ms(cpu_capture.trace_dir, step=i) for i in range(3)]
+    assert sum(p["optimizer"] for p in per_step) / 3 == pytest.approx(
+        float(phases.set_index("phase").loc["optimizer", "cpu_ms_per_step"]), rel=0.02)
+    assert sum(first.values()) <= max(e["dur"] for e in marks) / 1e3 * 1.01
 
 
 def test_on_a_gpu_the_op_table_counts_device_time_once_and_phases_read_the_host_rows():
@@ -590,3 +597,15 @@ def test_the_diff_summary_says_when_autocast_doubled_a_count_not_the_work():
     assert "`aten::add`" not in text.split("Biggest change")[1]
     assert "autocast" not in traces.diff_summary(changed.iloc[1:], autocast_changed=True)
     assert "autocast" not in traces.diff_summary(changed)  # same precision on both sides (04's eager vs compiled)
+    # SDPA, recorded twice under autocast too, appears on the bf16 side once the math attention is gone (09's CPU diff)
+    with profile() as prof, torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.scaled_dot_product_attention(x[:, :1], x[:, :1], x[:, :1])
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts["aten::scaled_dot_product_attention"] == 2  # the premise, on this torch
+    sdpa = pd.DataFrame({"name": ["aten::scaled_dot_product_attention", "aten::bmm"], "calls before": [0.0, 24.0],
+                         "calls after": [8.0, 0.0], "time change (us)": [900.0, -800.0], "change": ["appeared", "vanished"]})
+    text = traces.diff_summary(sdpa, autocast_changed=True, autocast_after=True)
+    assert "`aten::scaled_dot_product_attention` (8 calls) ran only in the trace with autocast" in text and "4 calls of work." in text
+    assert "records each" not in traces.diff_summary(sdpa, autocast_changed=True)  # which side: unknown, nothing said
+    before = traces.diff_summary(sdpa, autocast_changed=True, autocast_after=False)  # the first trace ran autocast
+    assert "`aten::bmm` (24 calls) ran only in the trace with autocast" in before and "(8 calls)" not in before
