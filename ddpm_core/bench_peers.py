@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                               warmup=1 if args.smoke else 5, device=args.device, fast_batch=args.fast_batch)
     from . import results
 
-    table = comparison.table()
+    others = [m.name for m in comparison.measurements if not same_network(m.name, args.smoke)]  # compared by TFLOP/s
+    table = comparison.table(by_work=others)
     columns = ["variant", "batch", "ms/step", "img/s", "TFLOP/s", "speedup", "MFU", "p10-p90 ms"]
     ceil = None
     if not args.no_ceiling:
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         columns.insert(-1, ceiling_column(table, ceil, args.smoke, comparison.measurements))
     print(f"{label(comparison.measurements[0].device)}{' (smoke)' if args.smoke else ''}")
     print(table[[c for c in columns if c in table]].to_string(index=False))  # a CPU table has no MFU column
-    print(comparison.report().replace("**", ""))
+    print(comparison.report(by_work=others).replace("**", ""))
     if ceil is not None:
         print(ceil.summary())
     for line in skipped:
