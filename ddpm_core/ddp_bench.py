@@ -96,12 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                       "threads_per_process": torch.get_num_threads(),
                       "ddp_bucket_cap_mb": t.net.bucket_bytes_cap / 2**20 if t.world_size > 1 else None}
             atomic_write_text(args.out, json.dumps(result, indent=1))
-            if grid:  # the rows the notebook shows: the first timing above only warmed the launch up for them
-                for r in grid:
-                    print(f"world {t.world_size}, batch {r['batch_per_process']} per process, {r['precision']}: "
-                          f"{r['median_ms']:.1f} ms/step, {r['images_per_s']:.1f} img/s", flush=True)
-            else:
-                print(f"world {t.world_size}: {median:.1f} ms/step, {result['images_per_s']:.1f} img/s", flush=True)
+            # this launch's own timing (a notebook's table pools the steps of several launches), then its grid's rows
+            print(f"world {t.world_size}: {median:.1f} ms/step, {result['images_per_s']:.1f} img/s (this launch)", flush=True)
+            for r in grid:
+                print(f"world {t.world_size}, batch {r['batch_per_process']} per process, {r['precision']}: "
+                      f"{r['median_ms']:.1f} ms/step, {r['images_per_s']:.1f} img/s", flush=True)
     finally:
         if started:  # every DDP wrapper dropped first (train._release_group says why)
             _release_group(t, gt)
