@@ -147,10 +147,14 @@ def self_line() -> str:
             "notebook run elsewhere show its numbers in this place.")
 NO_REFERENCE = ("No reference GPU run is committed in data/reference/ yet: run `make reference` on a GPU "
                 "machine (README, 'Reference run').")
+# Under HTA's idle-time table: why a stream's idle can exceed the GPU's idle of the temporal breakdown
+IDLE_PER_STREAM = ("<small>Idle time per stream (HTA's idle-time analysis): the time that stream ran no kernel, "
+                   "split by why. The temporal breakdown below counts the time no stream ran a kernel, so a stream "
+                   "can be idle for longer than the GPU is: while it waits, another stream's kernels run.</small>")
 RESULT_COLUMNS = [("variant", "variant"), ("batch_size", "batch"), ("precision", "precision"),
                   ("median_ms", "ms/step"), ("p10_ms", "p10 ms"), ("p90_ms", "p90 ms"), ("images_per_s", "img/s"),
                   ("tflops", "TFLOP/s"), ("mfu", "MFU"), ("mfu_bf16", "MFU vs bf16 peak"),
-                  ("peak_memory_gib", "peak memory (GiB)")]
+                  ("peak_memory_gib", "peak memory (GiB)"), ("memory_kind", "memory measured")]
 
 
 # ------------------------------------------------------------------------------ reading
@@ -318,6 +322,8 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
                     df = rep.table(what)
                     if df is not None:
                         display(df)
+                        if what == "idle":  # per stream, against the temporal table's whole-GPU idle below
+                            display(Markdown(IDLE_PER_STREAM))
                 title = "GPU time: compute, non-compute, idle (HTA)"
             else:
                 temporal, kinds = rep.cpu_temporal, tr.op_categories(rep.cpu_ops)
