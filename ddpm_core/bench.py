@@ -820,6 +820,9 @@ class Noise:
         return ("Noisy repeats: " + "; ".join(self.reasons) + ". " + rule).strip()
 
 
+OTHER_NETWORK = "(other network, by TFLOP/s)"  # ends a speedup cell that compares TFLOP/s (work_factor; plots.peers_figure)
+
+
 class Comparison:
     """Variants measured side by side in interleaved rounds, with a verdict per pair.
 
@@ -950,10 +953,11 @@ class Comparison:
         return ""
 
     def factor(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
-        """The short form of ``verdict`` for a table cell: "1.23x", "noisy" or "no measurable difference"."""
+        """The short form of ``verdict`` for a table cell: "1.23x" ("1.23x (a hint)" where ``hint`` says so), "noisy"
+        or "no measurable difference"."""
         r = self.speedup(a, b)
         if r is not None:
-            return f"{r:.2f}x"
+            return f"{r:.2f}x" + (" (a hint)" if self.hint(a, b) else "")
         if self.noisy(a, b):
             return "noisy"
         return "too few repeats" if self.too_few(a, b) else "no measurable difference"
@@ -984,8 +988,7 @@ class Comparison:
             return "other network, FLOPs not counted"
         by_work = Comparison([replace(m, batch_size=m.flops_per_step, images_per_s=m.tflops) for m in (a, b)],
                              self.noise, rounds=self.rounds)
-        f = by_work.factor(*by_work.measurements)
-        return f"{f} by TFLOP/s (other network)" if f.endswith("x") else f"{f} (other network, by TFLOP/s)"
+        return f"{by_work.factor(*by_work.measurements)} {OTHER_NETWORK}"
 
     def table(self, by_work: Sequence[str] = ()) -> "pd.DataFrame":
         """``summary_table`` with the spread of each variant and the verdict-aware speedup column. The variants in

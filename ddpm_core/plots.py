@@ -15,6 +15,7 @@ import matplotlib.transforms
 import torch
 
 from .atomic import atomic_write_bytes
+from .bench import OTHER_NETWORK  # the end of a speedup cell that compares TFLOP/s (bench.work_factor)
 from .paths import figures_dir
 
 
@@ -644,18 +645,20 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
     horizon = steps or int(max([50.0] + [2.0 * e for e in evens.values() if np.isfinite(e)]))
     n = np.linspace(0, horizon, 200)
     for i, r in rows.iterrows():
-        ax2.plot(n, (r["first_ms"] + n * r["median_ms"]) / 1e3, color=f"C{i}", label=r["name"])
         e = evens.get(i)
+        # said in the legend: written at the line's end, the note ran across the line itself
+        unstated = (e is None or not 0 < e <= horizon) and i and comparison is not None and r["median_ms"] < base["median_ms"]
+        ax2.plot(n, (r["first_ms"] + n * r["median_ms"]) / 1e3, color=f"C{i}",
+                 label=r["name"] + (": no measurable speedup, no break-even stated" if unstated else ""))
         if e is not None and 0 < e <= horizon:
             ax2.axvline(e, color=f"C{i}", ls=":", lw=1)
             hinted = comparison is not None and comparison.hint(r["name"], base["name"])  # a ratio stated as a hint
             ax2.annotate(f"pays off after {e:,.0f} steps" + (" (a hint: few timed calls)" if hinted else ""),
                          (e, (r["first_ms"] + e * r["median_ms"]) / 1e3),
                          xytext=(4, -12), textcoords="offset points", fontsize=8, color=f"C{i}")
-        elif i and comparison is not None and r["median_ms"] < base["median_ms"]:
-            ax2.annotate("no measurable speedup: no break-even stated", (horizon, (r["first_ms"] + horizon * r["median_ms"]) / 1e3),
-                         xytext=(-4, -6), textcoords="offset points", fontsize=8, color=f"C{i}", ha="right", va="top")
     ax2.set_xlabel("training steps")
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=5, integer=True))  # 5-digit counts ran together
+    ax2.xaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
     ax2.set_ylabel("total time (s), compilation included")
     ax2.legend(fontsize=8)
     return _checked(_suptitle(fig, title, label), comparison is not None)
@@ -952,7 +955,7 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
     ax.set_yscale("log")
     log_ticks(ax)  # labelled gridlines, not a crammed column of minor-tick labels
     ax.set_xlabel("batch size per process")
-    ax.set_ylabel(f"seconds per epoch ({images:,} images)", fontsize=9)
+    ax.set_ylabel(f"seconds per epoch ({images:,} images), log scale", fontsize=9)
     legend_below(ax, fontsize=8, ncol=2)  # inside, it covered the last point of a line
     _title(ax, title, label)
     fig.tight_layout()
@@ -1082,14 +1085,21 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
     names = table["variant"].astype(str) + "  (batch " + table["batch"].astype(str) + ")"
     bars = ax1.barh(names, table["img/s"], color=["C7"] + ["C0"] * (len(table) - 1))
     ax1.invert_yaxis()
-    for b, v, s in zip(bars, table["img/s"], table["speedup"].astype(str)):
-        ax1.annotate(f"{v:,.0f} · {s}", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
+    # another network's cell compares TFLOP/s (Comparison.table(by_work=...)): its factor goes on the TFLOP/s bar, not
+    # beside an images/s bar it does not describe
+    other = [OTHER_NETWORK in s for s in table["speedup"].astype(str)]
+    for b, v, s, o in zip(bars, table["img/s"], table["speedup"].astype(str), other):
+        ax1.annotate(f"{v:,.0f} · " + ("another network: compare TFLOP/s" if o else s),
+                     (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
                      textcoords="offset points", va="center", fontsize=8)
     ax1.set_xlim(0, table["img/s"].max() * 1.6)
     ax1.set_xlabel("images / s")
     tf = table["TFLOP/s"].astype(float)
     bars = ax2.barh(names, tf, color="C1")
-    _label_bars(ax2, bars, "{:.3g}")
+    for b, v, s, o in zip(bars, tf, table["speedup"].astype(str), other):
+        ax2.annotate(f"{v:.3g}" + (f" · {s.replace(OTHER_NETWORK, '').strip()} vs {table['variant'].iloc[0]}" if o else ""),
+                     (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
+                     textcoords="offset points", va="center", fontsize=8)
     top = tf.max()
     if ceiling is not None:
         ax2.axvline(ceiling.tflops, color="C3", ls="--", lw=1.2,

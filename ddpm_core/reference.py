@@ -148,9 +148,10 @@ def self_line() -> str:
 NO_REFERENCE = ("No reference GPU run is committed in data/reference/ yet: run `make reference` on a GPU "
                 "machine (README, 'Reference run').")
 # Under HTA's idle-time table: why a stream's idle can exceed the GPU's idle of the temporal breakdown
-IDLE_PER_STREAM = ("<small>Idle time per stream (HTA's idle-time analysis): the time that stream ran no kernel, "
-                   "split by why. The temporal breakdown below counts the time no stream ran a kernel, so a stream "
-                   "can be idle for longer than the GPU is: while it waits, another stream's kernels run.</small>")
+IDLE_PER_STREAM = ("<small>Idle time per stream (HTA's idle-time analysis): the gaps between one stream's kernels, "
+                   "split by why. The temporal breakdown below counts the GPU's idle time over the profiled steps, "
+                   "all streams together. The two count differently (one stream's gaps against the whole GPU's, over "
+                   "spans HTA sets for each), so their totals need not agree, either way.</small>")
 RESULT_COLUMNS = [("variant", "variant"), ("batch_size", "batch"), ("precision", "precision"),
                   ("median_ms", "ms/step"), ("p10_ms", "p10 ms"), ("p90_ms", "p90 ms"), ("images_per_s", "img/s"),
                   ("tflops", "TFLOP/s"), ("mfu", "MFU"), ("mfu_bf16", "MFU vs bf16 peak"),

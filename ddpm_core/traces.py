@@ -718,8 +718,9 @@ def diff_summary(changed: pd.DataFrame, what: str = "operators", autocast_change
                  if autocast_changed and autocast_after is not None and str(r["name"]) in AUTOCAST_RECORDED_TWICE
                  and r["change"] == side and r[count] > 0 and r[count] % 2 == 0]
     twice += ("" if not new_twice else
-              " " + ", ".join(f"`{n}` ({c} calls)" for n, c in new_twice) + " ran only in the trace with autocast, "
-              "which records each such call twice: " + (" and ".join(str(c // 2) for _, c in new_twice))
+              " " + ", ".join(f"`{n}` ({c} calls)" for n, c in new_twice) + " ran only in the trace with autocast (the "
+              f"operator{'s are' if len(new_twice) > 1 else ' is'} new there, not made by autocast), and autocast records "
+              "each such call twice: " + (" and ".join(str(c // 2) for _, c in new_twice))
               + f" call{'s' if new_twice[0][1] != 2 or len(new_twice) > 1 else ''} of work"
               + (", in that order." if len(new_twice) > 1 else "."))
     return f"Of the {len(changed)} {what} whose time changed most, {listed}.{biggest}{twice}"

@@ -954,7 +954,7 @@ def test_two_networks_are_compared_by_their_rate_of_work_not_their_images():
     assert "- **small**: another network, by the work done per second: less work per second, at 0.42x the TFLOP/s of ours" in report
     assert "- **slow small**: slower, at 0.83x the throughput of ours" in report
     # the table's speedup column agrees with the report: 09b's once read 0.80x (images/s) beside "1.11x the TFLOP/s"
-    assert list(c.table(by_work=["small"])["speedup"]) == ["1.00x (baseline)", "0.42x by TFLOP/s (other network)", "0.83x"]
+    assert list(c.table(by_work=["small"])["speedup"]) == ["1.00x (baseline)", "0.42x (other network, by TFLOP/s)", "0.83x"]
     assert c2.table(by_work=["near"])["speedup"][1] == "no measurable difference (other network, by TFLOP/s)"
     assert bench.Comparison([ours, uncounted], _quiet(ours, uncounted)).table(by_work=["uncounted"])["speedup"][1] == \
         "other network, FLOPs not counted"
@@ -977,3 +977,4 @@ def test_a_factor_from_few_calls_within_the_spread_is_called_a_hint():
     # hint() gives the words alone, for a number derived from the ratio (04's break-even steps); '' where none is due
     assert c.verdict("wide").endswith(f"({c.hint('wide')})") and c.hint("wide").startswith("a hint: from 3 timed calls")
     assert c_many.hint("wide") == "" and c.hint("base") == ""
+    assert c.factor("wide") == "1.09x (a hint)" and c_many.factor("wide").endswith("x")  # a table cell says so too

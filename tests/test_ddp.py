@@ -137,10 +137,12 @@ def test_ddp_bench_times_a_grid_of_batch_sizes_and_precisions(tmp_path, capsys):
     assert [(r["batch_per_process"], r["precision"]) for r in grid] == [(2, "fp32"), (4, "fp32"), (2, "bf16"), (4, "bf16")]
     assert all(r["images_per_s"] > 0 and len(r["times_ms"]) == 2 for r in grid)
     assert json.loads(out.read_text())["ddp_bucket_cap_mb"] is None
-    # it prints the grid's rows, the numbers the notebook's table shows (08 once printed the warm-up timing instead)
+    # it prints its own timing, marked as this launch's (08's table pools several launches), then the grid's rows, the
+    # numbers the notebook's figure shows (08 once printed the warm-up timing in their place)
     printed = capsys.readouterr().out.splitlines()
-    assert [l.split(":")[0] for l in printed if l.startswith("world")] == [
+    assert [l.split(":")[0] for l in printed if l.startswith("world")] == ["world 1"] + [
         f"world 1, batch {r['batch_per_process']} per process, {r['precision']}" for r in grid]
+    assert next(l for l in printed if l.startswith("world")).endswith("img/s (this launch)")
     assert f"{grid[0]['median_ms']:.1f} ms/step" in printed[-4]
     import pandas as pd
 
