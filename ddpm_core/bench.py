@@ -909,13 +909,20 @@ class Comparison:
         a, b = self._m(a), self._m(b)
         if a is b:
             return "baseline"
-        if not (a.flops_per_step and b.flops_per_step and a.tflops and b.tflops):
+        by_work = self._by_work(a, b)
+        if by_work is None:
             return (f"not compared with {b.name}: the FLOPs of both were not counted, and images/s do not compare "
                     "across networks")
-        by_work = Comparison([replace(m, batch_size=m.flops_per_step, images_per_s=m.tflops) for m in (a, b)],
-                             self.noise, rounds=self.rounds)
         return by_work._verdict(*by_work.measurements, rate="the TFLOP/s", ranges="per-FLOP",
                                 words=("more work per second", "less work per second"))
+
+    def _by_work(self, a: Measurement, b: Measurement) -> "Comparison | None":
+        """``a`` and ``b`` as a comparison of work done (FLOPs per timed call, TFLOP/s as the rate) under this run's
+        noise, for ``work_verdict`` and ``work_factor``; None where either one's FLOPs were not counted."""
+        if not (a.flops_per_step and b.flops_per_step and a.tflops and b.tflops):
+            return None
+        return Comparison([replace(m, batch_size=m.flops_per_step, images_per_s=m.tflops) for m in (a, b)],
+                          self.noise, rounds=self.rounds)
 
     def _verdict(self, a: Measurement | str, b: Measurement | str | None = None, rate: str = "the throughput",
                  ranges: str = "per-image", words: tuple[str, str] = ("faster", "slower")) -> str:
@@ -983,12 +990,8 @@ class Comparison:
 
     def work_factor(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
         """``factor`` by the rate of work (TFLOP/s), as ``work_verdict``: for a table cell of another network."""
-        a, b = self._m(a), self._m(b)
-        if not (a.flops_per_step and b.flops_per_step and a.tflops and b.tflops):
-            return "other network, FLOPs not counted"
-        by_work = Comparison([replace(m, batch_size=m.flops_per_step, images_per_s=m.tflops) for m in (a, b)],
-                             self.noise, rounds=self.rounds)
-        return f"{by_work.factor(*by_work.measurements)} {OTHER_NETWORK}"
+        by_work = self._by_work(self._m(a), self._m(b))
+        return "other network, FLOPs not counted" if by_work is None else f"{by_work.factor(*by_work.measurements)} {OTHER_NETWORK}"
 
     def table(self, by_work: Sequence[str] = ()) -> "pd.DataFrame":
         """``summary_table`` with the spread of each variant and the verdict-aware speedup column. The variants in
