@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import matplotlib.pyplot as plt
+import matplotlib.table
 import matplotlib.ticker
 import matplotlib.transforms
 import torch
@@ -853,20 +854,34 @@ def _same_decimals(values: list, most: int = 4) -> list[str]:
     return [f"{v:,.{digits}f}" if isinstance(v, float) and math.isfinite(v) else str(v) for v in values]
 
 
+TABLE_FONT, TABLE_ROW_SCALE = 8, 1.3
+# matplotlib's cell height: its table's default font size (Table.FONTSIZE, whatever size the text is set to) in
+# inches, times 1.2 (Table._approx_text_height), times the row scale
+TABLE_ROW_IN = matplotlib.table.Table.FONTSIZE / 72 * 1.2 * TABLE_ROW_SCALE
+
+
 def table_figure(df, *, label: str | None = None, title: str = "Summary") -> "plt.Figure":
-    """A DataFrame rendered as a figure (for tables that should travel as an image)."""
-    fig, ax = plt.subplots(figsize=(min(18, 1.6 + 1.5 * len(df.columns)), 0.42 * len(df) + 1.2))
+    """A DataFrame rendered as a figure (for tables that should travel as an image).
+
+    The figure is the table's size: as tall as its rows (a cell is ``TABLE_ROW_IN`` inches at this font size and
+    scale), as wide as its columns once drawn. A fixed height per row plus a margin and a width per column, with the
+    table centered, left bands of white around 09's table."""
+    rows_in = TABLE_ROW_IN * (len(df) + 1)
+    fig = plt.figure(figsize=(min(18, 1.6 + 1.5 * len(df.columns)), rows_in))
+    ax = fig.add_axes((0, 0, 1, 1))  # the title sits above it, and savefig's tight box takes it in
     ax.set_axis_off()
     columns = [_same_decimals(df[c].tolist()) for c in df.columns]
     cells = [[(v if len(v) <= 42 else v[:40] + "...") for v in row] for row in zip(*columns)]
-    tbl = ax.table(cellText=cells, colLabels=list(df.columns), loc="center", cellLoc="center")
+    tbl = ax.table(cellText=cells, colLabels=list(df.columns), loc="upper center", cellLoc="center")
     tbl.auto_set_font_size(False)
-    tbl.set_fontsize(8)
+    tbl.set_fontsize(TABLE_FONT)
     tbl.auto_set_column_width(col=list(range(len(df.columns))))
-    tbl.scale(1, 1.3)
+    tbl.scale(1, TABLE_ROW_SCALE)
     for (r, _c), cell in tbl.get_celld().items():
         if r == 0:
             cell.set_text_props(weight="bold")
+    fig.canvas.draw()  # the columns take their widths from their texts when drawn: the figure is then made that wide
+    fig.set_size_inches(tbl.get_window_extent().width / fig.dpi + 0.1, rows_in)
     _title(ax, title, label)
     return fig
 

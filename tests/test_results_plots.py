@@ -236,6 +236,16 @@ def test_a_table_figure_gives_every_number_of_a_column_the_same_decimals():
     assert _same_decimals([8, 16]) == ["8", "16"] and _same_decimals([1234.0, 5.5]) == ["1,234.0", "5.5"]
 
 
+def test_a_table_figure_is_the_size_of_its_table_with_no_band_of_white_around_it():
+    rows = [_measurement(f"stage {i}", 10 + i) for i in range(8)]  # 09's summary: 8 rows had bands above and below
+    fig = plots.table_figure(bench.summary_table(rows), title="t")
+    fig.canvas.draw()
+    table = fig.axes[0].tables[0].get_window_extent()
+    width, height = fig.get_size_inches() * fig.dpi
+    assert 0.9 < table.height / height <= 1.01 and 0.9 < table.width / width <= 1.01, (table, width, height)
+    plots.plt.close(fig)
+
+
 def test_readable_drops_a_named_column_only_where_no_row_has_a_value_and_fills_the_rest():
     df = pd.DataFrame({"a": [1.0, None], "note": ["", None], "kept": ["", "x"], "peak": [None, None]})
     out = bench.readable(df, drop_empty=("note", "kept", "peak"), na="—")
