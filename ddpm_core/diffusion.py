@@ -184,7 +184,11 @@ class GaussianDiffusion(nn.Module):
             steps: None for the full T-step chain; fewer for a strided preview (quick, blurrier).
             generator: for reproducible samples.
             progress: show a tqdm progress bar.
-            return_trajectory: also return [(t, x_t), ...] snapshots of the reverse process.
+            return_trajectory: also return [(t, x_t), ...] snapshots of the reverse process, t in the paper's
+                indexing (x_T the starting noise, t = T, first; x_0 the sample, t = 0, last). The network's timesteps
+                are 0-based: x_t is what it denoises at its timestep t - 1, so a snapshot is taken before a step and
+                labelled by the state it shows (labelled by the step just taken, the first column "t = 999" was
+                already one step from the noise).
             trajectory_every: snapshot spacing in steps (default: about 10 snapshots).
             variance: "fixedlarge" or "fixedsmall" (default: this diffusion's ``variance``).
 
@@ -204,6 +208,8 @@ class GaussianDiffusion(nn.Module):
         every = trajectory_every or max(1, len(taus) // 10)
         trajectory: list[tuple[int, torch.Tensor]] = []
         for i in tqdm(range(len(taus) - 1, -1, -1), desc="sampling", disable=not progress, leave=False):
+            if return_trajectory and ((len(taus) - 1 - i) % every == 0):  # x_t before the step at timestep t - 1
+                trajectory.append((int(taus[i]) + 1, x.detach().cpu()))
             t = torch.full((n,), int(taus[i]), device=device, dtype=torch.long)
             eps = model(x, t).float()
             x0 = (c["sqrt_recip"][i] * x - c["sqrt_recipm1"][i] * eps).clamp(-1.0, 1.0)
@@ -213,9 +219,9 @@ class GaussianDiffusion(nn.Module):
                 x = mean + c["var"][i].sqrt() * z
             else:
                 x = mean  # no noise at the last step
-            if return_trajectory and (i % every == 0 or i == len(taus) - 1):
-                trajectory.append((int(taus[i]), x.detach().cpu()))
         x = x.clamp(-1.0, 1.0)
+        if return_trajectory:
+            trajectory.append((0, x.detach().cpu()))  # x_0: the sample
         return (x, trajectory) if return_trajectory else x
 
 

@@ -52,7 +52,8 @@ def test_sampling_full_and_strided_gives_images_in_range_and_a_trajectory():
     x, traj = d.sample(model, 2, steps=10, progress=False, return_trajectory=True,
                        generator=torch.Generator().manual_seed(0))
     ts = [t for t, _ in traj]
-    assert ts[0] == 49 and ts[-1] == 0 and ts == sorted(ts, reverse=True)
+    assert ts[0] == 50 and ts[-1] == 0 and ts == sorted(ts, reverse=True)  # x_T, the starting noise, first; x_0 last
+    assert torch.equal(traj[-1][1], x)  # the last snapshot is the sample itself
     again = d.sample(model, 2, steps=10, progress=False, generator=torch.Generator().manual_seed(0))
     assert torch.equal(x, again)
     with pytest.raises(ValueError, match="steps must be in 1..50"):
@@ -109,9 +110,11 @@ def test_one_reverse_step_is_the_posterior_mean_plus_sigma_z(variance):
     mean = (a_bar[t - 1].sqrt() * betas[t] / (1 - a_bar[t]) * x0
             + (1 - betas[t]).sqrt() * (1 - a_bar[t - 1]) / (1 - a_bar[t]) * x_T)
     sigma2 = betas[t] if variance == "fixedlarge" else betas[t] * (1 - a_bar[t - 1]) / (1 - a_bar[t])
-    assert traj[0][0] == t
-    assert (traj[0][1].double() - (mean + sigma2.sqrt() * z)).abs().max().item() < 1e-5
-    assert (traj[0][1].double() - mean).abs().max().item() > 0.05  # the noise term is really there
+    # each snapshot is labelled by the state it shows (the paper's x_t): x_T itself, then x_{T-1} after one step
+    assert traj[0][0] == T and torch.allclose(traj[0][1].double(), x_T)
+    assert traj[1][0] == t and len(traj) == T + 1 and traj[-1][0] == 0
+    assert (traj[1][1].double() - (mean + sigma2.sqrt() * z)).abs().max().item() < 1e-5
+    assert (traj[1][1].double() - mean).abs().max().item() > 0.05  # the noise term is really there
 
 
 def test_an_unknown_variance_is_rejected():
