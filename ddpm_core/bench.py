@@ -230,6 +230,19 @@ def flop_breakdown(fn: Callable[..., Any], *args: Any, **kwargs: Any):
     return df
 
 
+def preset_flop_breakdown(name: str, batch_size: int = 1, image_size: int = 32):
+    """``flop_breakdown`` of one forward + backward of model preset ``name`` (math attention), built and run on
+    PyTorch's meta device: shapes only, no weights and no arithmetic, so the paper's 35.7M-parameter model is counted
+    in a second or two on any machine (a smoke run compares the tiny model's shares with it)."""
+    from .model import preset
+
+    with torch.device("meta"):
+        model = preset(name, attention="math")
+    x = torch.randn(batch_size, 3, image_size, image_size, device="meta")
+    t = torch.zeros(batch_size, dtype=torch.long, device="meta")
+    return flop_breakdown(lambda: model(x, t).float().pow(2).mean().backward())
+
+
 # ------------------------------------------------------------------------------ timing
 @dataclass
 class Measurement:

@@ -24,6 +24,10 @@ def test_count_flops_of_the_paper_training_step_is_37_3_gflop_per_image(attentio
     conv = df[df.op.str.contains("convolution")].share.sum()
     attn = df[df.op.str.contains("bmm|attention")].share.sum()
     assert 0.95 < conv < 0.99 and 0.01 < attn < 0.03, df
+    # counted on the meta device (shapes only, as notebook 02's smoke run counts the paper's model): the same FLOPs
+    meta = bench.preset_flop_breakdown("ddpm-cifar10", batch_size=2)
+    assert meta.flops.sum() / 2 == pytest.approx(df.flops.sum() / 2, rel=0.01)
+    assert meta[meta.op.str.contains("bmm|attention")].share.sum() == pytest.approx(attn, abs=0.002)
 
 
 def test_sdpa_flops_are_counted_on_this_backend():
