@@ -11,9 +11,10 @@ For each notebook it checks:
   where a number is due (ms/step and img/s for timed rows); every other row (optional variants)
   names its device and torch version too;
 - **figures**: every figure the notebook declares was written (after ``--since`` when given);
-- with ``--executed <notebook.ipynb>``: no cell of the executed copy ended in an error.
+- with ``--executed <notebook.ipynb> ...``: no cell of each notebook's executed copy ended in an error (the first
+  failing cell is named, with its section).
 
-It prints one line per problem, names what is missing, and exits 1 when anything is; 0 when the
+It prints one line per problem, names what is missing in plain words and the section that writes it, and exits 1 when anything is; 0 when the
 run is complete. Instructors run it on a student's ``data/results`` and ``figures`` folders.
 """
 
@@ -29,21 +30,32 @@ from pathlib import Path
 
 from .text import plural
 
-# The rows each measuring notebook must write (regular expressions on the ``variant`` column),
-# in both modes. Notebooks that measure nothing (00, 01) have none.
-EXPECTED: dict[str, list[str]] = {
-    "02_profile_the_baseline": [r"^baseline$", r"^loss read every step$", r"^loss read once per \d+ steps$"],
-    "03_batch_size": [r"^batch \d+$", r"^batch \d+$"],
-    "03b_memory": [r"^no checkpointing$", r"^activation checkpointing$"],
-    "04_torch_compile": [r"^eager$", r"^compile default$"],
-    "05_sdpa_attention": [r"^math", r"^sdpa"],
-    "06_mixed_precision": [r"^fp32$", r"^(bf16|fp16)$"],  # fp16 alone on a GPU without bf16 hardware (a T4)
-    "07_data_loading": [r"0 workers \(baseline\)$", r"^device-resident"],
-    "08_multi_gpu": [r"^1 processes$", r"^\d+ processes$"],
-    "09_putting_it_together": [r"^baseline", r"^\+ batch \d+$"],
-    "09b_the_fastest_step": [r"^ours \(baseline\)$", r"^ours \(fast\)$", r"^measured ceiling", r"^quality: baseline",
-                             r"^quality: fast"],
-    "10_optimizers_and_normalization": [r"^adam$", r"^sgd$"],
+# The rows each measuring notebook must write: a regular expression on the ``variant`` column, and the row in plain
+# words with the section that writes it (what a student is told is missing), in both modes. Notebooks that measure
+# nothing (00, 01) have none.
+S = "its Summary"
+EXPECTED: dict[str, list[tuple[str, str]]] = {
+    "02_profile_the_baseline": [(r"^baseline$", f"the baseline step ({S})"),
+                                (r"^loss read every step$", "the step that reads the loss every step (section 7)"),
+                                (r"^loss read once per \d+ steps$", "the step that reads it once per N steps (section 7)")],
+    "03_batch_size": [(r"^batch \d+$", f"a batch size of the sweep ({S}: one row per size)"),
+                      (r"^batch \d+$", f"a second batch size: the sweep needs at least two ({S})")],
+    "03b_memory": [(r"^no checkpointing$", "the step without checkpointing (section 4)"),
+                   (r"^activation checkpointing$", "the step with activation checkpointing (section 4)")],
+    "04_torch_compile": [(r"^eager$", f"the eager step ({S})"), (r"^compile default$", f"the step compiled in mode default ({S})")],
+    "05_sdpa_attention": [(r"^math", f"the step with math attention ({S})"), (r"^sdpa", f"the step with SDPA ({S})")],
+    # fp16 alone on a GPU without bf16 hardware (a T4)
+    "06_mixed_precision": [(r"^fp32$", f"the fp32 step ({S})"), (r"^(bf16|fp16)$", f"the bf16 (or fp16) step ({S})")],
+    "07_data_loading": [(r"0 workers \(baseline\)$", f"the PNG loader with 0 workers, the baseline ({S})"),
+                        (r"^device-resident", f"the device-resident dataset ({S})")],
+    "08_multi_gpu": [(r"^1 processes$", f"the launch with one process ({S})"),
+                     (r"^\d+ processes$", f"a launch with more processes ({S})")],
+    "09_putting_it_together": [(r"^baseline", f"the baseline stage ({S})"), (r"^\+ batch \d+$", f"the '+ batch N' stage ({S})")],
+    "09b_the_fastest_step": [(r"^ours \(baseline\)$", f"our baseline step ({S})"), (r"^ours \(fast\)$", f"our fast step ({S})"),
+                             (r"^measured ceiling", f"the measured ceiling ({S})"),
+                             (r"^quality: baseline", f"a quality run of the baseline ({S})"),
+                             (r"^quality: fast", f"the quality run of the fast configuration ({S})")],
+    "10_optimizers_and_normalization": [(r"^adam$", f"the Adam run ({S})"), (r"^sgd$", f"the SGD run ({S})")],
 }
 TIMED = ("median_ms", "images_per_s")
 # Rows that measure something other than a step time (they carry their own numbers instead).
@@ -63,6 +75,35 @@ class Report:
     def text(self) -> str:
         head = f"{self.notebook}: {'complete' if self.ok else plural(len(self.problems), 'problem')}"
         return "\n".join([head] + [f"  ok      {c}" for c in self.checked] + [f"  MISSING {p}" for p in self.problems])
+
+
+def _source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def _first_line(cell: dict) -> str:
+    line = next((ln for ln in _source(cell).splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
+    return line.strip()[:70]
+
+
+def _section(cells: list[dict], index: int) -> str:
+    """', in section "<heading>"': the last markdown heading above cell ``index``, or ''."""
+    for cell in reversed(cells[:index + 1]):
+        if cell.get("cell_type") == "markdown":
+            heads = [ln.lstrip("#").strip() for ln in _source(cell).splitlines() if ln.startswith("#")]
+            if heads:
+                return f', in section "{heads[-1][:60]}"'
+    return ""
+
+
+def _drawn_in(cells: list[dict], figure: str) -> str:
+    """Where the notebook saves ``figure``: ' (its cell in section "...": rerun it)', or ''."""
+    for i, cell in enumerate(cells):
+        if cell.get("cell_type") == "code" and figure in _source(cell):
+            where = _section(cells, i)
+            return f" (the cell that saves it is cell {i}{where}: run it again)" if where else f" (cell {i} saves it)"
+    return ""
 
 
 def _parse_time(text: str | None) -> datetime | None:
@@ -91,13 +132,14 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
     results = Path(results) if results is not None else results_dir()
     figures = Path(figures) if figures is not None else figures_dir()
 
-    patterns = EXPECTED.get(nb.stem, [])
+    expected = EXPECTED.get(nb.stem, [])
     on_gpu = False  # whether the run's rows name a GPU: then the figures only a GPU writes are due too
     csv = results / f"{nb.stem}.csv"
-    if patterns:
+    if expected:
         if not csv.exists() or csv.stat().st_size == 0:
-            report.problems.append(f"results: {csv} is missing or empty: run the notebook to the end (its Summary "
-                                   f"section writes the rows)")
+            writers = sorted({what.rsplit("(", 1)[1].split(":")[0].rstrip(")") for _, what in expected})
+            report.problems.append(f"results: {csv} is missing or empty: run the notebook to the end ("
+                                   f"{' and '.join(writers)} {'writes' if len(writers) == 1 else 'write'} the rows)")
         else:
             df = load(csv)
             if start is not None and "timestamp" in df:
@@ -106,11 +148,12 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
             on_gpu = any(str(d).strip() and str(d) != "nan" and not str(d).startswith("CPU")
                          for d in df.get("device_name", []))
             used: set[int] = set()
-            for pat in patterns:
+            for pat, what in expected:
                 hit = [i for i, v in df["variant"].astype(str).items() if re.search(pat, v) and i not in used]
                 if not hit:
-                    report.problems.append(f"results: no row whose variant matches {pat!r} in {csv.name}"
-                                           + (f" since {since}" if since else ""))
+                    report.problems.append(f"results: {what} is not in {csv.name}" + (f" since {since}" if since else "")
+                                           + f" (no row whose variant matches {pat!r}"
+                                           + (", other than the rows already counted)" if used else ")"))
                     continue
                 i = hit[-1]  # the newest
                 used.add(i)
@@ -139,10 +182,11 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
             elif len(others):
                 report.checked.append(f"{plural(len(others), 'other row')}, each labelled with its device and torch version")
 
+    cells = json.loads(nb.read_text()).get("cells", [])
     for name in declared_figures(nb, gpu=on_gpu):
         path = figures / name
         if not path.exists():
-            report.problems.append(f"figure: {path} was not written")
+            report.problems.append(f"figure: {path} was not written" + _drawn_in(cells, name))
         elif start is not None and datetime.fromtimestamp(path.stat().st_mtime, timezone.utc) < start:
             report.problems.append(f"figure: {path} is older than {since}: this run did not write it")
         else:
@@ -150,27 +194,51 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
 
     if executed is not None:
         book = json.loads(Path(executed).read_text())
-        errors = [o.get("ename", "error") for c in book.get("cells", []) for o in c.get("outputs", [])
+        errors = [(i, o.get("ename", "error"), c) for i, c in enumerate(book.get("cells", [])) for o in c.get("outputs", [])
                   if o.get("output_type") == "error"]
         if errors:
-            report.problems.append(f"executed notebook {executed}: {plural(len(errors), 'cell')} ended in an error ({errors[0]})")
+            i, ename, cell = errors[0]
+            report.problems.append(f"executed notebook {executed}: {plural(len(errors), 'cell')} ended in an error; the "
+                                   f"first: cell {i}{_section(book.get('cells', []), i)}, {ename}, in the cell that "
+                                   f"begins {_first_line(cell)!r}")
         else:
             report.checked.append(f"executed notebook {Path(executed).name}: no errors")
     return report
 
 
+def _executed_for(notebook: str, paths: list[Path] | None, count: int) -> Path | None:
+    """The executed copy of ``notebook`` among ``paths``: the one whose file name starts with its number and an
+    underscore ("03_", "03b_"); the only one when one notebook is checked. None where no path is
+    that notebook's: one notebook's errors are never reported under another's."""
+    if not paths:
+        return None
+    prefix = notebook.split("_")[0]
+    mine = [p for p in paths if p.name.startswith(prefix + "_")]
+    if len(mine) > 1:
+        raise ValueError(f"several executed copies match {notebook}: {', '.join(map(str, mine))}")
+    if mine:
+        return mine[0]
+    if count == 1 and len(paths) == 1:
+        return paths[0]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddpm_core.grade", description=__doc__.split("\n\n")[0])
     p.add_argument("notebooks", nargs="+", help="notebook numbers or names, e.g. 03 03b 09_putting_it_together")
-    p.add_argument("--results", type=Path, default=None, help="folder of the results CSVs (default: data/results)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="folder of the results CSVs (default: $DDPM_RESULTS_DIR, else data/results)")
     p.add_argument("--figures", type=Path, default=None, help="folder of the figures (default: figures/ or $DDPM_FIGURES_DIR)")
     p.add_argument("--since", default=None, help="only rows and figures written after this time (ISO 8601)")
-    p.add_argument("--executed", type=Path, default=None, help="an executed copy of the notebook to check for errors")
+    p.add_argument("--executed", type=Path, nargs="+", default=None,
+                   help="executed copies of the notebooks to check for errors, one per notebook (matched by name: "
+                        "03_batch_size.ipynb, or any file when one notebook is checked)")
     args = p.parse_args(argv)
     try:
         if args.since:
             _parse_time(args.since)
-        reports = [grade(n, results=args.results, figures=args.figures, since=args.since, executed=args.executed)
+        reports = [grade(n, results=args.results, figures=args.figures, since=args.since,
+                         executed=_executed_for(n, args.executed, len(args.notebooks)))
                    for n in args.notebooks]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

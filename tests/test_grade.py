@@ -38,8 +38,20 @@ def test_a_broken_run_names_each_missing_piece(tmp_path, capsys):
     assert grade.main(["03b_memory", "--results", str(res), "--figures", str(figs)]) == 1
     out = capsys.readouterr().out
     assert "no row whose variant matches '^activation checkpointing$'" in out
+    assert "the step with activation checkpointing (section 4) is not in 03b_memory.csv" in out  # in plain words
     assert "row 'no checkpointing' has no device_name" in out
-    assert "03b_memory_budget.png was not written" in out
+    assert "03b_memory_budget.png was not written (the cell that saves it is cell" in out and 'in section "' in out
+
+
+def test_a_sweep_of_one_batch_size_is_told_it_needs_two_and_a_missing_file_names_its_writers(tmp_path, capsys):
+    res, figs = tmp_path / "results", tmp_path / "figures"
+    results.append("03_batch_size", [{"variant": "batch 4", "median_ms": 10.0, "images_per_s": 400.0,
+                                      "device_name": "CPU (test)"}], path=res / "03_batch_size.csv")
+    assert grade.main(["03", "--results", str(res), "--figures", str(figs)]) == 1
+    out = capsys.readouterr().out
+    assert "a second batch size: the sweep needs at least two" in out and "other than the rows already counted" in out
+    assert grade.main(["02", "--results", str(res), "--figures", str(figs)]) == 1
+    assert "run the notebook to the end (its Summary and section 7 write the rows)" in capsys.readouterr().out
 
 
 def test_an_unlabelled_row_that_no_pattern_names_is_reported(tmp_path, capsys):
@@ -82,6 +94,14 @@ def test_since_excludes_an_earlier_run_and_an_executed_error_is_reported(tmp_pat
                        "--executed", str(executed)]) == 1
     out = capsys.readouterr().out
     assert "since 2999-01-01" in out and "older than 2999-01-01" in out and "ZeroDivisionError" in out
+    assert "the first: cell 0, ZeroDivisionError, in the cell that begins '1/0'" in out
+    # two notebooks, one executed copy each: an error is reported under its own notebook only
+    other = tmp_path / "03_batch_size.ipynb"
+    other.write_text(json.dumps(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])))
+    grade.main(["03b", "03", "--results", str(res), "--figures", str(figs), "--executed", str(executed), str(other)])
+    out = capsys.readouterr().out
+    mine, theirs = out.split("03_batch_size:")[0], out.split("03_batch_size:")[1]
+    assert "ZeroDivisionError" in mine and "ZeroDivisionError" not in theirs and "03_batch_size.ipynb: no errors" in theirs
 
 
 def test_an_unknown_notebook_is_a_clear_error(capsys):
