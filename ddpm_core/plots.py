@@ -398,8 +398,13 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
         ax2 = ax.twinx()
         kind = df["memory_kind"].dropna().iloc[0] if "memory_kind" in df and df["memory_kind"].notna().any() else ""
         mem_name = "saved for backward" if "saved for backward" in kind else "peak memory"
-        ax2.plot(df[x], _mib(df, memory), marker="s", ls="--", color="C1", label=mem_name)
+        mib = _mib(df, memory)
+        ax2.plot(df[x], mib, marker="s", ls="--", color="C1", label=mem_name)
         ax2.set_ylabel(textwrap.fill(f"memory (MiB): {kind}", 30) if kind else "peak memory (MiB)", color="C1")
+        top = float(mib.max())
+        if top > 0:  # from 0, as the throughput axis: on an axis starting near the smallest value, it read as ~0 MiB
+            ax2.set_ylim(0, 1.15 * top)
+        ax2.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]))  # 5-9 labels
         ax2.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))  # 40,000 MiB, as the tables
         ax2.grid(False)
     handles = [h for a in [ax] + fig.axes[panels:] for h in a.get_lines() if not h.get_label().startswith("_")]
@@ -580,8 +585,13 @@ def noise_schedule_figure(diffusion, *, label: str | None = None) -> "plt.Figure
 def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None = None, smooth: int = 20,
                 title: str = "Training loss") -> "plt.Figure":
     """Loss against step for one or more runs (raw, faint) with a centered moving average on top (a trailing one
-    lags the raw curve by half its window: on the H100's 01 run the smoothed drop sat ~70 steps right of the data)."""
+    lags the raw curve by half its window: on the H100's 01 run the smoothed drop sat ~70 steps right of the data).
+
+    A second legend under the axes (a figure legend, so the axes' own legend keeps one entry per run) says which line
+    is which: "raw" and "centered moving average of N steps", N the window each curve was smoothed with (``smooth``,
+    at most a third of the curve's steps); where that is one step, the line is the raw values and the key says so."""
     import pandas as pd
+    from matplotlib.lines import Line2D
 
     set_style()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -589,19 +599,22 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
     # the palette's orange, vermillion and brown (C1, C3, C5) look alike as thin lines: the distinct hues come first
     hues = [f"C{k}" for k in (0, 1, 2, 4, 7, 9, 3, 5, 6, 8)]
     drawn: dict[str, "pd.Series"] = {}
+    windows: set[int] = set()
     for i, (name, points) in enumerate(curves.items()):
         s = pd.Series([v for _, v in points], index=[k for k, _ in points])
         # a curve that lies on an earlier one (within 0.1% at every step) hides it: the legend says so
         under = next((n for n, d in drawn.items() if d.index.equals(s.index)
                       and ((s - d).abs() <= 1e-3 * d.abs()).all()), None)
         drawn[name] = s
+        window = max(1, min(smooth, len(s) // 3 or 1))
+        windows.add(window)
         ax.plot(s.index, s.values, color=hues[i % len(hues)], alpha=0.25, lw=0.8)
-        ax.plot(s.index, s.rolling(max(1, min(smooth, len(s) // 3 or 1)), min_periods=1, center=True).mean(), color=hues[i % len(hues)],
+        ax.plot(s.index, s.rolling(window, min_periods=1, center=True).mean(), color=hues[i % len(hues)],
                 ls=styles[i % len(styles)],  # distinct styles: overlapping curves stay visible
                 label=name if under is None else f"{name}, on top of {under.split(' (')[0]}")
     ax.set_xlabel("optimizer step")
     # the mean over pixels (the loss starts at E[eps^2] = 1), not the squared norm, which would start at 3072
-    ax.set_ylabel(r"loss: mean of $(\epsilon-\epsilon_\theta)^2$")
+    ax.set_ylabel(r"loss: mean of $(\epsilon-\epsilon_\theta)^2$ (log scale)")
     ax.set_yscale("log")
     _title(ax, title, label)
     if len(curves) > 3:  # inside, a legend of many runs sits on some curve wherever it goes: below the axes
@@ -610,6 +623,25 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
         ax.legend(fontsize=8)
     # every gridline of the log axis labelled, down to the lowest curve (06's once ended at 0.61 under a lowest label of 0.7)
     log_ticks(ax, extend_down=True)
+    # the key to the two kinds of line, in grey (the colours are the runs'), under everything the axes drew (tick
+    # labels, the x label, a legend of many runs), right-aligned; kept in points, as legend_below does
+    lo, hi = min(windows), max(windows)
+    span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    key = ([(Line2D([], [], color="0.35", alpha=0.35, lw=0.8), "raw (each step)"),
+            (Line2D([], [], color="0.35", lw=1.5), f"centered moving average of {span} steps")] if hi > 1 else
+           [(Line2D([], [], color="0.35", lw=1.5), "raw (each step; too few steps to smooth)")])
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    below = [t.get_window_extent(renderer).y0 for t in (ax.xaxis.label, *ax.get_xticklabels())
+             if t.get_visible() and t.get_text().strip()]
+    legend = ax.get_legend()
+    if legend is not None and legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0 + 1:
+        below.append(legend.get_window_extent(renderer).y0)  # a legend of many runs, under the axes
+    drop = (ax.get_window_extent(renderer).y0 - min(below, default=ax.get_window_extent(renderer).y0)) / fig.dpi + 4 / 72
+    anchor = ax.transAxes + matplotlib.transforms.ScaledTranslation(0, -drop, fig.dpi_scale_trans)
+    fig.legend([h for h, _ in key], [t for _, t in key], loc="upper right", bbox_to_anchor=(1, 0), bbox_transform=anchor,
+               frameon=False, fontsize=8, ncol=len(key), title="each run is drawn as:", title_fontsize=8,
+               alignment="right")
     return fig
 
 
@@ -667,14 +699,17 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
 
 def sdpa_figure(model_rows, micro, *, label: str | None = None,
                 title: str = "Math attention vs scaled_dot_product_attention",
-                comparison: Any = None, versus: dict[str, str] | None = None) -> "plt.Figure":
-    """Left: full-model step time per variant. Middle and right: attention alone (forward +
+                comparison: Any = None, versus: dict[str, str] | None = None, alone_busy: bool = False) -> "plt.Figure":
+    """Left: whole-model step time per variant. Middle and right: attention alone (forward +
     backward) against sequence length: time and peak memory, for each implementation.
 
     ``model_rows``: name, median_ms. ``micro``: impl, seq_len, median_ms, peak_memory_mib (and p10_ms, p90_ms: drawn
     as each time's range, where present).
     With ``comparison`` (a ``bench.Comparison`` of the rows) and ``versus`` (row name -> the row it
-    is compared with), each such bar also says its speedup, or "within noise" where none is stated."""
+    is compared with), each such bar also says its speedup, or "within noise" where none is stated.
+    The middle panel's title says, at each length, how SDPA's time compares with math's, by the rule the notebook's
+    text uses: a ratio where the two p10-p90 ranges lie apart, "within noise" where they overlap, and nothing compared
+    where ``alone_busy`` (other work ran while attention alone was timed)."""
     set_style()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ax = axes[0]
@@ -688,7 +723,7 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
         ax.annotate(f"{v:.1f} ms{vs}", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
                     textcoords="offset points", va="center", fontsize=8)
     ax.set_xlim(0, rows["median_ms"].max() * (1.3 if not versus else 1.6))
-    ax.set_xlabel("ms per training step (full model)" + ("\nin parentheses: speed against " + ", ".join(sorted(set(versus.values())))
+    ax.set_xlabel("ms per training step (whole model, not attention alone)" + ("\nin parentheses: speed against " + ", ".join(sorted(set(versus.values())))
                                                          if comparison is not None and versus else ""))
     ax.set_title("whole training step", fontsize=9)
     spread = {"p10_ms", "p90_ms"} <= set(micro.columns)
@@ -702,11 +737,32 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
     for a, what in ((axes[1], "ms, forward + backward"), (axes[2], textwrap.fill(f"memory (MiB): {kind}", 30) if kind else "peak memory (MiB)")):
         a.set_xlabel("sequence length N (tokens = H x W)")
         lengths = sorted(micro["seq_len"].unique())  # ticks at the measured lengths (256, 1024), not at 300 and 1000
-        a.set_xticks(lengths, [f"{n:g}" for n in lengths])
+        # a FixedFormatter, which plain_log_ticks keeps (set_xticks' labels are a FuncFormatter, which it replaced: in
+        # full mode, 256-16384 tokens, only 1024 kept its label)
+        a.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(lengths))
+        a.xaxis.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{n:g}" for n in lengths]))
         a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         a.set_ylabel(what)
         a.legend(fontsize=8)
-    axes[1].set_title("attention alone: time" + (" (bars: p10-p90 of the repeats)" if spread else ""), fontsize=9)
+    said: dict[str, list[str]] = {}  # at each length, SDPA against math as the notebook's text says it -> the lengths
+    for n in sorted(micro["seq_len"].unique()) if {"math", "sdpa"} <= set(micro["impl"]) else []:
+        at = micro[micro["seq_len"] == n].set_index("impl")
+        if not {"math", "sdpa"} <= set(at.index):
+            continue
+        m, s = at.loc["math"], at.loc["sdpa"]
+        if alone_busy:
+            verdict = "not compared (other work ran)"
+        elif spread and not (s["p90_ms"] < m["p10_ms"] or m["p90_ms"] < s["p10_ms"]):
+            verdict = "within noise"
+        elif spread:
+            verdict = (f"SDPA {'faster' if s['median_ms'] < m['median_ms'] else 'slower'}, "
+                       f"{m['median_ms'] / s['median_ms']:.2f}x math's speed")
+        else:
+            continue
+        said.setdefault(verdict, []).append(f"{n:g}")
+    line = "; ".join(f"{v} at N = {', '.join(ns)}" for v, ns in said.items())
+    axes[1].set_title("attention alone: time" + (" (bars: p10-p90 of the repeats)" if spread else "")
+                      + ("\n" + textwrap.fill("SDPA vs math: " + line, 70) if said else ""), fontsize=9)
     axes[2].set_title("attention alone: memory (math keeps the N x N scores; SDPA does not)", fontsize=9)
     return _checked(_suptitle(fig, title, label), comparison is not None)
 
@@ -736,7 +792,9 @@ def throughput_memory_bars(rows, *, label: str | None = None, x: str = "name", t
     ax2.set_xlabel("saved for backward (MiB)" if "saved for backward" in kind else
                    f"peak memory (MiB; {kind})" if kind else "peak memory (MiB)")
     if "saved for backward" in kind:
-        ax2.set_title("CPU: activations saved for the backward pass\n(the part of a step's memory that batch, precision and attention change)", fontsize=8)
+        # not only activations: under autocast the low-precision copies of the weights are saved too (06's text says so)
+        ax2.set_title("CPU: tensors saved for the backward pass\n(activations, and under autocast the bf16 copies of the "
+                      "weights:\nthe part of a step's memory that batch, precision and attention change)", fontsize=8)
     for a in (ax, ax2):
         a.invert_yaxis()
     return _checked(_suptitle(fig, title, label), comparison is not None)
