@@ -998,8 +998,9 @@ class Comparison:
         if any(self.too_few(m, best) for m in ties):
             return (f"**{best.name}** had the highest median throughput (img/s), but with fewer than {MIN_TIMED} timed "
                     "calls per variant there is no spread to call a winner by.")
+        names = [f"**{m.name}**" for m in ties]
         return (f"**{best.name}** had the highest median throughput (img/s), but it cannot be told apart from "
-                + ", ".join(f"**{m.name}**" for m in ties) + " at this noise level.")
+                + (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]) + " at this noise level.")
 
     def work_factor(self, a: Measurement | str, b: Measurement | str | None = None) -> str:
         """``factor`` by the rate of work (TFLOP/s), as ``work_verdict``: for a table cell of another network."""

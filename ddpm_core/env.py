@@ -44,13 +44,25 @@ def label(device: torch.device | str | None = None) -> str:
     return " · ".join(parts)
 
 
+def onednn_bf16() -> bool:
+    """Whether PyTorch sends bf16 convolutions on this CPU to oneDNN (``mkldnn_bf16_device_check``: AVX512 core,
+    i.e. avx512bw, vl and dq, with or without bf16 instructions) rather than to the generic ``_slow_conv2d`` kernels."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:  # a build without oneDNN
+        return False
+
+
 def cpu_bf16() -> tuple[bool, str]:
     """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX), and a sentence saying what that
     means for a bf16 training step on it.
 
-    Without them (an AVX2-only CPU, like many laptops and CI machines) PyTorch's bf16 convolutions
-    fall back to generic kernels such as ``aten::_slow_conv2d_forward``: a bf16 step was 10x
-    slower than fp32 on such a CPU with torch 2.14.
+    Three cases. With those instructions, oneDNN runs bf16 convolutions natively. Without them but with AVX512
+    (``onednn_bf16``: PyTorch's gate is avx512bw/vl/dq), PyTorch still sends bf16 convolutions to oneDNN, which
+    converts around fp32 arithmetic: no generic fallback, but nothing for bf16 to gain either. Without AVX512 (an
+    AVX2-only CPU, like many laptops and CI machines) bf16 convolutions fall back to generic kernels such as
+    ``aten::_slow_conv2d_forward``: a bf16 step was 10x slower than fp32 on such a CPU with torch 2.14.
     """
     capability = torch.backends.cpu.get_cpu_capability()
     probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
@@ -69,6 +81,11 @@ def cpu_bf16() -> tuple[bool, str]:
         return True, (f"This CPU ({capability}) has bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions can run "
                       "on oneDNN's bf16 kernels instead of the generic fallback. Whether that beats fp32 depends on the "
                       "CPU and the layer sizes, so it is measured here, not assumed.")
+    if onednn_bf16():
+        return False, (f"This CPU ({capability}) has no bf16 instructions (AVX512-BF16 or AMX), but it has AVX512, so "
+                       "PyTorch still sends bf16 convolutions to oneDNN (not to the generic fallback), which converts "
+                       "bf16 to fp32 around its arithmetic: expect a bf16 step no faster than fp32 here, likely slower. "
+                       "On a GPU (Ampere or newer) bf16 runs on tensor cores.")
     return False, (f"This CPU ({capability}) has no bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions fall back "
                    "to slow generic kernels (aten::_slow_conv2d_forward), so expect a bf16 step to be much slower "
                    "than fp32 here. On a GPU (Ampere or newer) bf16 runs on tensor cores.")
@@ -233,7 +250,9 @@ def describe(device: torch.device | str | None = None) -> dict[str, str]:
     }
     if device.type == "cpu":
         info["cpu vector unit"] = torch.backends.cpu.get_cpu_capability()
-        info["cpu bf16 instructions"] = "yes" if cpu_bf16()[0] else "no (bf16 is slow here)"
+        info["cpu bf16 instructions"] = ("yes" if cpu_bf16()[0] else
+                                         "no (AVX512: oneDNN converts, bf16 no faster here)" if onednn_bf16() else
+                                         "no (bf16 falls back to slow kernels here)")
     try:
         import torchvision
 

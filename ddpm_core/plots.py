@@ -268,8 +268,8 @@ def _ratio_text(ratio: float, name: str, base_name: str, comparison: Any = None)
     "too few repeats" where too few calls were timed."""
     if comparison is None or name == base_name:
         return f"{ratio:.2f}x"
-    if comparison.speedup(name, base_name) is not None:
-        return f"{ratio:.2f}x"
+    if comparison.speedup(name, base_name) is not None:  # "(hint)" where the comparison states it only as a hint
+        return f"{ratio:.2f}x" + (" (hint)" if comparison.hint(name, base_name) else "")
     why = comparison.factor(name, base_name)
     return "within noise" if why == "no measurable difference" else why
 
@@ -423,8 +423,11 @@ def batch_size_lines(df, *, label: str | None = None, x: str = "batch_size", y: 
         axt.set_xscale("log", base=2)
         axt.set_yscale("log")
         axt.set_xlabel("batch size")
-        axt.set_ylabel("ms per step")
+        axt.set_ylabel("ms per step (log scale)")  # the references' slopes read as such only on a log axis
         axt.set_title("time per step", fontsize=9)
+        lo, hi = axt.get_ylim()
+        axt.set_ylim(lo / 1.15, hi)  # the ideal line (the smallest batch's time) sat on the bottom frame
+        log_ticks(axt, extend_down=True)  # a labelled gridline at or below the lowest point (03's 128 ms had none)
         if ideal and len(df) > 1:
             legend_below(axt, fontsize=8, ncol=1)
     return _suptitle(fig, title, label)
@@ -723,7 +726,7 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
         ax.annotate(f"{v:.1f} ms{vs}", (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
                     textcoords="offset points", va="center", fontsize=8)
     ax.set_xlim(0, rows["median_ms"].max() * (1.3 if not versus else 1.6))
-    ax.set_xlabel("ms per training step (whole model, not attention alone)" + ("\nin parentheses: speed against " + ", ".join(sorted(set(versus.values())))
+    ax.set_xlabel("ms per training step (whole model, not attention alone)" + ("\nin parentheses: against " + ", ".join(sorted(set(versus.values())))
                                                          if comparison is not None and versus else ""))
     ax.set_title("whole training step", fontsize=9)
     spread = {"p10_ms", "p90_ms"} <= set(micro.columns)
@@ -1026,9 +1029,9 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
                 label=f"{world} process{'es' if world > 1 else ''}, {precision}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    log_ticks(ax)  # labelled gridlines, not a crammed column of minor-tick labels
+    log_ticks(ax, extend_up=True)  # labelled gridlines, not a crammed column of minor-tick labels; one above the top
     ax.set_xlabel("batch size per process")
-    ax.set_ylabel(f"seconds per epoch ({images:,} images), log scale", fontsize=9)
+    ax.set_ylabel("seconds per epoch (log scale)")  # the epoch's size is in the title: a longer label ran into it
     legend_below(ax, fontsize=8, ncol=2)  # inside, it covered the last point of a line
     _title(ax, title, label)
     fig.tight_layout()
@@ -1069,7 +1072,10 @@ def quality_band(result, *, label: str | None = None,
                      if not math.isnan(result.within_spread) else ""))
     unjudged = band.loc[~band["judged"], "step"]
     if len(unjudged):
-        ax.axvspan(band["step"].min(), unjudged.max(), color="C7", alpha=0.12, lw=0, label="warm-up, not judged")
+        from .quality import SKIP  # the text's words: "first 10% not judged" (not the learning rate's warm-up)
+
+        ax.axvspan(band["step"].min(), unjudged.max(), color="C7", alpha=0.12, lw=0,
+                   label=f"first {100 * SKIP:.0f}% of the steps, not judged")
     ax.set_yscale("log")
     log_ticks(ax)
     ax.set_xlabel("optimizer step")
@@ -1100,14 +1106,15 @@ def quality_band(result, *, label: str | None = None,
     return _suptitle(fig, head, label if label is not None else result.label)
 
 
-def log_ticks(ax, axis: str = "y", extend_down: bool = False) -> None:
+def log_ticks(ax, axis: str = "y", extend_down: bool = False, extend_up: bool = False) -> None:
     """Label a log axis at 1, 2, 3 and 5 times the powers of ten inside its limits, as plain numbers (0.2, 0.3,
     0.5, 1, 2,000), with no minor ticks: every gridline gets a label, also on a range of less than one decade. Where
     fewer than three of those fall inside the limits, at finer multiples (1.5, 2.5, 4, 6, 8 as well); where fewer
     than two of those do, at round numbers spaced evenly in value, the axis widened to the first outside the data.
 
     ``extend_down``: first move the lower limit to the labelled value just below the lowest point of the axes'
-    lines, so that no curve runs on below the last label (10's loss curves went to 0.12 under a lowest label of 0.2)."""
+    lines, so that no curve runs on below the last label (10's loss curves went to 0.12 under a lowest label of 0.2).
+    ``extend_up``: the same at the top (08's epoch times reached 1,378 s over a highest label of 1,000)."""
     lo, hi = sorted(ax.get_ylim() if axis == "y" else ax.get_xlim())
     coarse, fine = (1, 2, 3, 5), (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8)
 
@@ -1128,10 +1135,9 @@ def log_ticks(ax, axis: str = "y", extend_down: bool = False) -> None:
         if len(multiples(coarse)) >= 3:
             lo = below(coarse)
         (ax.set_ylim if axis == "y" else ax.set_xlim)(lo, hi)
-
-    ticks = multiples(coarse)
+    ticks, family = multiples(coarse), coarse
     if len(ticks) < 3:  # less than a decade: finer steps (1,500, 2,000, 2,500, 3,000 for 1,270-3,300 s)
-        ticks = multiples(fine)
+        ticks, family = multiples(fine), fine
     if len(ticks) < 2:  # a very narrow range (1,100-1,400): round numbers instead (1,100, 1,200, ...), the axis
         # widened to the first of them outside the data on each side, so that no point lies beyond the last label
         vals = [float(t) for t in matplotlib.ticker.MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi) if t > 0]
@@ -1139,6 +1145,15 @@ def log_ticks(ax, axis: str = "y", extend_down: bool = False) -> None:
         hi = min([t for t in vals if t >= hi], default=hi)
         ticks = [t for t in vals if lo <= t <= hi]
         (ax.set_ylim if axis == "y" else ax.set_xlim)(lo, hi)
+    elif extend_up and ticks:  # the next value of the same series above the highest point, where one lies past the last label
+        points = [float(v) for line in ax.get_lines() for v in (line.get_ydata() if axis == "y" else line.get_xdata())
+                  if math.isfinite(float(v)) and float(v) > 0]
+        high = max(points, default=ticks[-1])
+        if high > ticks[-1]:
+            nxt = min(k * 10.0**e for e in range(math.floor(math.log10(high)), math.ceil(math.log10(high)) + 2)
+                      for k in family if k * 10.0**e >= high)
+            ticks.append(nxt)
+            (ax.set_ylim if axis == "y" else ax.set_xlim)(lo, nxt)
     which = ax.yaxis if axis == "y" else ax.xaxis
     which.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
     which.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{t:,.0f}" if t >= 1000 else f"{t:g}" for t in ticks]))
@@ -1170,7 +1185,10 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
     tf = table["TFLOP/s"].astype(float)
     bars = ax2.barh(names, tf, color="C1")
     for b, v, s, o in zip(bars, tf, table["speedup"].astype(str), other):
-        ax2.annotate(f"{v:.3g}" + (f" · {s.replace(OTHER_NETWORK, '').strip()} vs {table['variant'].iloc[0]}" if o else ""),
+        # another network's verdict wrapped under its number: on one line it set the panel's width, and the bars
+        # shrank to slivers (0.06 TFLOP/s on an axis to 2.5)
+        said = textwrap.fill(f"{s.replace(OTHER_NETWORK, '').strip()} vs {table['variant'].iloc[0]}", 26)
+        ax2.annotate(f"{v:.3g}" + (f" ·\n{said}" if o else ""),
                      (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
                      textcoords="offset points", va="center", fontsize=8)
     top = tf.max()

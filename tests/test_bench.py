@@ -585,8 +585,12 @@ def test_cpu_bf16_support_is_detected_and_explained(monkeypatch):
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(env, "onednn_bf16", lambda: False)  # an AVX2-only CPU: the generic fallback
     has, why = env.cpu_bf16()
     assert not has and "_slow_conv2d_forward" in why and "no bf16 instructions" in why
+    monkeypatch.setattr(env, "onednn_bf16", lambda: True)  # AVX512 without bf16 instructions: oneDNN, converting
+    has, why = env.cpu_bf16()
+    assert not has and "oneDNN" in why and "_slow_conv2d" not in why and "no faster than fp32" in why
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert env.cpu_bf16()[0]
 

@@ -157,7 +157,8 @@ def test_every_gridline_of_a_log_axis_set_by_log_ticks_keeps_its_label():
     plots.plt.close(fig)
     # 08's epoch times, 1,057 to 2,574 s: one 1-2-3-5 multiple (2,000) in range, and the figure had a crammed column
     # of minor labels instead; now finer multiples. A range narrower still gets round numbers, the axis widened to them
-    for seconds, labels, lim in (((2250, 2574, 1150, 1057), ["1,500", "2,000", "2,500"], None),
+    # (the highest, 2,574 s, lay over the last label, 2,500: a label above it now closes the axis)
+    for seconds, labels, lim in (((2250, 2574, 1150, 1057), ["1,500", "2,000", "2,500", "3,000"], None),
                                  ((1150, 1200, 1250, 1300), ["1,100", "1,150", "1,200", "1,250", "1,300", "1,350"],
                                   (1100, 1350))):
         df = pd.DataFrame({"world_size": [1, 1, 2, 2], "precision": ["fp32"] * 4, "batch_per_process": [4, 8, 4, 8],
