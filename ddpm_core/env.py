@@ -60,7 +60,7 @@ def cpu_bf16() -> tuple[bool, str]:
 
     Three cases. With those instructions, oneDNN runs bf16 convolutions natively. Without them but with AVX512
     (``onednn_bf16``: PyTorch's gate is avx512bw/vl/dq), PyTorch still sends bf16 convolutions to oneDNN, which
-    converts around fp32 arithmetic: no generic fallback, but nothing for bf16 to gain either. Without AVX512 (an
+    converts around fp32 arithmetic: no generic fallback, but no faster arithmetic either. Without AVX512 (an
     AVX2-only CPU, like many laptops and CI machines) bf16 convolutions fall back to generic kernels such as
     ``aten::_slow_conv2d_forward``: a bf16 step was 10x slower than fp32 on such a CPU with torch 2.14.
     """
@@ -84,7 +84,8 @@ def cpu_bf16() -> tuple[bool, str]:
     if onednn_bf16():
         return False, (f"This CPU ({capability}) has no bf16 instructions (AVX512-BF16 or AMX), but it has AVX512, so "
                        "PyTorch still sends bf16 convolutions to oneDNN (not to the generic fallback), which converts "
-                       "bf16 to fp32 around its arithmetic: expect a bf16 step no faster than fp32 here, likely slower. "
+                       "bf16 to fp32 around its arithmetic: that arithmetic is no faster than fp32's, so expect little or "
+                       "nothing from bf16 here beyond smaller tensors (measured where a notebook runs it, not assumed). "
                        "On a GPU (Ampere or newer) bf16 runs on tensor cores.")
     return False, (f"This CPU ({capability}) has no bf16 instructions (AVX512-BF16 or AMX): bf16 convolutions fall back "
                    "to slow generic kernels (aten::_slow_conv2d_forward), so expect a bf16 step to be much slower "
@@ -251,7 +252,7 @@ def describe(device: torch.device | str | None = None) -> dict[str, str]:
     if device.type == "cpu":
         info["cpu vector unit"] = torch.backends.cpu.get_cpu_capability()
         info["cpu bf16 instructions"] = ("yes" if cpu_bf16()[0] else
-                                         "no (AVX512: oneDNN converts, bf16 no faster here)" if onednn_bf16() else
+                                         "no (AVX512: oneDNN converts bf16 to fp32)" if onednn_bf16() else
                                          "no (bf16 falls back to slow kernels here)")
     try:
         import torchvision

@@ -98,7 +98,8 @@ def _section(cells: list[dict], index: int) -> str:
 
 
 def _drawn_in(cells: list[dict], figure: str) -> str:
-    """Where the notebook saves ``figure``: ' (its cell in section "...": rerun it)', or ''."""
+    """Where the notebook saves ``figure``: ' (the cell that saves it is cell N, in section "...": run it again)',
+    or ''."""
     for i, cell in enumerate(cells):
         if cell.get("cell_type") == "code" and figure in _source(cell):
             where = _section(cells, i)
@@ -237,9 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.since:
             _parse_time(args.since)
-        reports = [grade(n, results=args.results, figures=args.figures, since=args.since,
-                         executed=_executed_for(n, args.executed, len(args.notebooks)))
-                   for n in args.notebooks]
+        reports = []
+        for n in args.notebooks:
+            executed = _executed_for(n, args.executed, len(args.notebooks))
+            reports.append(grade(n, results=args.results, figures=args.figures, since=args.since, executed=executed))
+            if args.executed and executed is None:  # copies were given, none of them this notebook's
+                reports[-1].problems.append(f"executed notebook: none of the copies given is {reports[-1].notebook}'s "
+                                            f"(its file name starts with {n.split('_')[0] + '_'!r})")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -102,6 +102,8 @@ def test_since_excludes_an_earlier_run_and_an_executed_error_is_reported(tmp_pat
     out = capsys.readouterr().out
     mine, theirs = out.split("03_batch_size:")[0], out.split("03_batch_size:")[1]
     assert "ZeroDivisionError" in mine and "ZeroDivisionError" not in theirs and "03_batch_size.ipynb: no errors" in theirs
+    grade.main(["03b", "03", "--results", str(res), "--figures", str(figs), "--executed", str(executed)])
+    assert "none of the copies given is 03_batch_size's (its file name starts with '03_')" in capsys.readouterr().out
 
 
 def test_an_unknown_notebook_is_a_clear_error(capsys):
