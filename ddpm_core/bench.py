@@ -1547,6 +1547,12 @@ def spread_margin(*measurements: "Measurement") -> float:
     return sum((m.p90_ms - m.p10_ms) / m.median_ms for m in measurements) / 2
 
 
+def ranges_apart(a, b) -> bool:
+    """Whether two timings' p10-p90 ranges do not overlap (``a`` and ``b``: mappings or rows with ``p10_ms`` and
+    ``p90_ms``): the rule by which 05 reads attention timed alone, one length after another, in its text and figure."""
+    return a["p90_ms"] < b["p10_ms"] or b["p90_ms"] < a["p10_ms"]
+
+
 def past_bounds(factor: float, low: float, high: float, margin: float = 0.0) -> bool:
     """Whether ``factor`` lies outside ``[low, high]`` (``part_change_bounds``, ``amdahl_bound``) by more than the
     relative ``margin`` (``spread_margin``): only then is it drift, not the change. A factor just past a bound,

@@ -30,32 +30,32 @@ from pathlib import Path
 
 from .text import plural
 
-# The rows each measuring notebook must write: a regular expression on the ``variant`` column, and the row in plain
-# words with the section that writes it (what a student is told is missing), in both modes. Notebooks that measure
-# nothing (00, 01) have none.
+# The rows each measuring notebook must write: a regular expression on the ``variant`` column, the row in plain words
+# (what a student is told is missing), and the section that writes it, in both modes. Notebooks that measure nothing
+# (00, 01) have none.
 S = "its Summary"
-EXPECTED: dict[str, list[tuple[str, str]]] = {
-    "02_profile_the_baseline": [(r"^baseline$", f"the baseline step ({S})"),
-                                (r"^loss read every step$", "the step that reads the loss every step (section 7)"),
-                                (r"^loss read once per \d+ steps$", "the step that reads it once per N steps (section 7)")],
-    "03_batch_size": [(r"^batch \d+$", f"a batch size of the sweep ({S}: one row per size)"),
-                      (r"^batch \d+$", f"a second batch size: the sweep needs at least two ({S})")],
-    "03b_memory": [(r"^no checkpointing$", "the step without checkpointing (section 4)"),
-                   (r"^activation checkpointing$", "the step with activation checkpointing (section 4)")],
-    "04_torch_compile": [(r"^eager$", f"the eager step ({S})"), (r"^compile default$", f"the step compiled in mode default ({S})")],
-    "05_sdpa_attention": [(r"^math", f"the step with math attention ({S})"), (r"^sdpa", f"the step with SDPA ({S})")],
+EXPECTED: dict[str, list[tuple[str, str, str]]] = {
+    "02_profile_the_baseline": [(r"^baseline$", "the baseline step", S),
+                                (r"^loss read every step$", "the step that reads the loss every step", "section 7"),
+                                (r"^loss read once per \d+ steps$", "the step that reads it once per N steps", "section 7")],
+    "03_batch_size": [(r"^batch \d+$", "a batch size of the sweep (one row per size)", S),
+                      (r"^batch \d+$", "a second batch size: the sweep needs at least two", S)],
+    "03b_memory": [(r"^no checkpointing$", "the step without checkpointing", "section 4"),
+                   (r"^activation checkpointing$", "the step with activation checkpointing", "section 4")],
+    "04_torch_compile": [(r"^eager$", "the eager step", S), (r"^compile default$", "the step compiled in mode default", S)],
+    "05_sdpa_attention": [(r"^math", "the step with math attention", S), (r"^sdpa", "the step with SDPA", S)],
     # fp16 alone on a GPU without bf16 hardware (a T4)
-    "06_mixed_precision": [(r"^fp32$", f"the fp32 step ({S})"), (r"^(bf16|fp16)$", f"the bf16 (or fp16) step ({S})")],
-    "07_data_loading": [(r"0 workers \(baseline\)$", f"the PNG loader with 0 workers, the baseline ({S})"),
-                        (r"^device-resident", f"the device-resident dataset ({S})")],
-    "08_multi_gpu": [(r"^1 processes$", f"the launch with one process ({S})"),
-                     (r"^\d+ processes$", f"a launch with more processes ({S})")],
-    "09_putting_it_together": [(r"^baseline", f"the baseline stage ({S})"), (r"^\+ batch \d+$", f"the '+ batch N' stage ({S})")],
-    "09b_the_fastest_step": [(r"^ours \(baseline\)$", f"our baseline step ({S})"), (r"^ours \(fast\)$", f"our fast step ({S})"),
-                             (r"^measured ceiling", f"the measured ceiling ({S})"),
-                             (r"^quality: baseline", f"a quality run of the baseline ({S})"),
-                             (r"^quality: fast", f"the quality run of the fast configuration ({S})")],
-    "10_optimizers_and_normalization": [(r"^adam$", f"the Adam run ({S})"), (r"^sgd$", f"the SGD run ({S})")],
+    "06_mixed_precision": [(r"^fp32$", "the fp32 step", S), (r"^(bf16|fp16)$", "the bf16 (or fp16) step", S)],
+    "07_data_loading": [(r"0 workers \(baseline\)$", "the PNG loader with 0 workers, the baseline", S),
+                        (r"^device-resident", "the device-resident dataset", S)],
+    "08_multi_gpu": [(r"^1 processes$", "the launch with one process", S),
+                     (r"^\d+ processes$", "a launch with more processes", S)],
+    "09_putting_it_together": [(r"^baseline", "the baseline stage", S), (r"^\+ batch \d+$", "the '+ batch N' stage", S)],
+    "09b_the_fastest_step": [(r"^ours \(baseline\)$", "our baseline step", S), (r"^ours \(fast\)$", "our fast step", S),
+                             (r"^measured ceiling", "the measured ceiling", S),
+                             (r"^quality: baseline", "a quality run of the baseline", S),
+                             (r"^quality: fast", "the quality run of the fast configuration", S)],
+    "10_optimizers_and_normalization": [(r"^adam$", "the Adam run", S), (r"^sgd$", "the SGD run", S)],
 }
 TIMED = ("median_ms", "images_per_s")
 # Rows that measure something other than a step time (they carry their own numbers instead).
@@ -138,7 +138,7 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
     csv = results / f"{nb.stem}.csv"
     if expected:
         if not csv.exists() or csv.stat().st_size == 0:
-            writers = sorted({what.rsplit("(", 1)[1].split(":")[0].rstrip(")") for _, what in expected})
+            writers = sorted({section for *_, section in expected})
             report.problems.append(f"results: {csv} is missing or empty: run the notebook to the end ("
                                    f"{' and '.join(writers)} {'writes' if len(writers) == 1 else 'write'} the rows)")
         else:
@@ -149,10 +149,10 @@ def grade(notebook: str, *, results: Path | None = None, figures: Path | None = 
             on_gpu = any(str(d).strip() and str(d) != "nan" and not str(d).startswith("CPU")
                          for d in df.get("device_name", []))
             used: set[int] = set()
-            for pat, what in expected:
+            for pat, what, section in expected:
                 hit = [i for i, v in df["variant"].astype(str).items() if re.search(pat, v) and i not in used]
                 if not hit:
-                    report.problems.append(f"results: {what} is not in {csv.name}" + (f" since {since}" if since else "")
+                    report.problems.append(f"results: {what} ({section}) is not in {csv.name}" + (f" since {since}" if since else "")
                                            + f" (no row whose variant matches {pat!r}"
                                            + (", other than the rows already counted)" if used else ")"))
                     continue

@@ -16,7 +16,7 @@ import matplotlib.transforms
 import torch
 
 from .atomic import atomic_write_bytes
-from .bench import OTHER_NETWORK  # the end of a speedup cell that compares TFLOP/s (bench.work_factor)
+from .bench import OTHER_NETWORK, ranges_apart  # the end of a speedup cell that compares TFLOP/s (bench.work_factor)
 from .paths import figures_dir
 
 
@@ -755,7 +755,7 @@ def sdpa_figure(model_rows, micro, *, label: str | None = None,
         m, s = at.loc["math"], at.loc["sdpa"]
         if alone_busy:
             verdict = "not compared (other work ran)"
-        elif spread and not (s["p90_ms"] < m["p10_ms"] or m["p90_ms"] < s["p10_ms"]):
+        elif spread and not ranges_apart(s, m):
             verdict = "within noise"
         elif spread:
             verdict = (f"SDPA {'faster' if s['median_ms'] < m['median_ms'] else 'slower'}, "
