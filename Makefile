@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 # what JupyterLab adds when it runs and saves a notebook is stripped before git compares or commits.
 NBSTRIP := $(abspath $(VENV))/bin/nbstripout --keep-id --extra-keys metadata.language_info
 
-.PHONY: setup run notebook test lab cifar10 weights reference student grade clean
+.PHONY: setup run notebook figures test lab cifar10 weights reference student grade clean
 
 $(STAMP): pyproject.toml constraints.txt jupyter/jupyter_server_config.json
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ run: $(STAMP)            ## the main job: every numbered notebook, headless (smo
 
 notebook: $(STAMP)       ## one notebook and its figures: make notebook NB=03
 	$(PY) -m ddpm_core.series $(NB)
+
+figures: run             ## maintainers: the main job, then its figures into the committed figures/ (a GPU run's stay)
+	$(PY) -m ddpm_core.reference figures
+	$(PY) -m ddpm_core.reference readme
 
 test: $(STAMP)           ## the test suite (CPU; GPU tests are skipped without a GPU)
 	$(PY) -m pytest

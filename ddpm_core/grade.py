@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("notebooks", nargs="+", help="notebook numbers or names, e.g. 03 03b 09_putting_it_together")
     p.add_argument("--results", type=Path, default=None,
                    help="folder of the results CSVs (default: $DDPM_RESULTS_DIR, else data/results)")
-    p.add_argument("--figures", type=Path, default=None, help="folder of the figures (default: figures/ or $DDPM_FIGURES_DIR)")
+    p.add_argument("--figures", type=Path, default=None, help="folder of the figures (default: data/figures/, where runs write them, or $DDPM_FIGURES_DIR)")
     p.add_argument("--since", default=None, help="only rows and figures written after this time (ISO 8601)")
     p.add_argument("--executed", type=Path, nargs="+", default=None,
                    help="executed copies of the notebooks to check for errors, one per notebook (matched by name: "

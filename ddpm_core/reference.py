@@ -55,7 +55,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .paths import REPO_ROOT, figures_dir
+from .paths import REPO_ROOT, committed_figures_dir, figures_dir
 
 REFERENCE_DIR = REPO_ROOT / "data" / "reference"
 # one device command is at most 10 minutes; keep 2 in hand. A detached run (scripts/gpu_call.sh --detach) outlives
@@ -644,6 +644,11 @@ def status_markdown(root: Path | None = None) -> str:
         for part in PARTS:
             if isinstance(v := status.get(part), dict) and v.get("status") == "skipped":
                 lines += ["", f"{part} skipped: {v.get('reason', '?')}."]
+            elif isinstance(v, dict) and v.get("status") == "failed":  # why, without the GPU machine's scratch path
+                why = str(v.get("error", "?")).split("; see ")[0]
+                log = next((f for p, (_, f) in GPU_TEST_PARTS.items() if p == part and (folder / f).exists()), None)
+                lines += ["", f"{part} failed: {why}" + (f" (`{log}` in the folder has the details)" if log else "")
+                          + "; a later run redoes it."]
         for name, line in headlines(folder).items():
             lines += ["", f"{name.split('_')[0]} printed: *{line}*"]
         if stages := stages_markdown(folder):
@@ -692,7 +697,7 @@ def figures_markdown(figures: Path | None = None, root: Path | None = None) -> s
     (``figure_source``) for every figure a notebook declares; ``python -m ddpm_core.reference readme`` puts it there."""
     from .series import NOTEBOOKS_DIR, declared_figures, list_notebooks
 
-    figures = Path(figures) if figures is not None else figures_dir()
+    figures = Path(figures) if figures is not None else committed_figures_dir()
     declared = {nb.stem.split("_")[0]: declared_figures(nb) for nb in list_notebooks(NOTEBOOKS_DIR)}
     groups: dict[str, list[tuple[str, str]]] = {}
     missing, unknown = [], []
@@ -727,6 +732,34 @@ def figures_markdown(figures: Path | None = None, root: Path | None = None) -> s
     if any(not src.startswith("the reference run") for src in groups):
         text += " Each is replaced by its GPU figure as the reference run reaches its notebook."
     return text
+
+
+def gallery(source: Path | None = None, figures: Path | None = None, root: Path | None = None) -> dict[str, list[str]]:
+    """Copy a run's figures (``source``, default the folder runs write to) into the committed figures (``figures``,
+    default figures/), except where the committed copy comes from a full reference GPU run (``figure_source``):
+    those change only through ``unpack``. Every figure a notebook declares, its GPU-only ones too, where the run
+    wrote it. Returns {"copied": [...], "kept": [...] (a reference run's), "missing": [...] (not in ``source``)}."""
+    from .series import NOTEBOOKS_DIR, declared_figures, list_notebooks
+
+    source = Path(source) if source is not None else figures_dir()
+    figures = Path(figures) if figures is not None else committed_figures_dir()
+    if source.resolve() == figures.resolve():
+        raise ValueError(f"the run's figures and the committed ones are the same folder ({figures}). Fix: run the "
+                         "notebooks with DDPM_FIGURES_DIR unset (they write to data/figures/), then copy from there.")
+    done: dict[str, list[str]] = {"copied": [], "kept": [], "missing": []}
+    for nb in list_notebooks(NOTEBOOKS_DIR):
+        for name in declared_figures(nb, gpu=True):
+            src, dst = source / name, figures / name
+            if not src.is_file():
+                if name in declared_figures(nb):  # a GPU-only figure is missing from every CPU run
+                    done["missing"].append(name)
+            elif dst.is_file() and (figure_source(dst, root) or "").startswith("the reference run"):
+                done["kept"].append(name)
+            else:
+                figures.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+                done["copied"].append(name)
+    return done
 
 
 # The README describes the repository's own runs and figures, whatever DDPM_REFERENCE_DIR or DDPM_FIGURES_DIR say.
@@ -1128,13 +1161,13 @@ def _check_base(archive: Path, folder: Path, marker: dict, brought: dict[str, st
 
 
 def unpack(archive: Path, root: Path | None = None, figures: Path | None = None, force: bool = False) -> Path:
-    """Extract a reference archive into ``root`` (data/reference) and copy its figures into figures/.
+    """Extract a reference archive into ``root`` (data/reference) and copy its figures into the committed figures/.
 
     A full archive replaces the folder. A delta (DELTA.json at its top: what one run added, ``pack(delta=True)``)
     is extracted over the folder its run started from, which must be here, unchanged (``force``: anyway), and
     deletes nothing; only its own figures are copied."""
     root = Path(root) if root is not None else reference_dir()
-    figures = Path(figures) if figures is not None else figures_dir()
+    figures = Path(figures) if figures is not None else committed_figures_dir()
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
         names = [m.name for m in members]
@@ -1520,6 +1553,10 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("folder")
     k.add_argument("--delta", action="store_true",
                    help="only the files new or changed since the last run on the folder started (what `run` packs)")
+    g = sub.add_parser("figures", help="copy a run's figures (data/figures/) into the committed figures/, except those "
+                                       "a reference GPU run made (`make figures` runs the series first)")
+    g.add_argument("--from", dest="source", default=None, metavar="DIR",
+                   help="the run's figures (default: data/figures/, or $DDPM_FIGURES_DIR)")
     u = sub.add_parser("unpack", help="extract reference archives into data/reference and figures/")
     u.add_argument("archive", nargs="+", help="one archive, or all of a session's (a run's chain is applied in order, "
                                               "and of two copies of one archive the later-made one is kept)")
@@ -1543,6 +1580,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {readme}'s blocks: {', '.join(README_BLOCKS)}")
         elif args.cmd == "pack":
             print(pack(Path(args.folder), delta=args.delta))
+        elif args.cmd == "figures":
+            done = gallery(Path(args.source) if args.source else None)
+            print(f"copied {len(done['copied'])} figures into {committed_figures_dir()}"
+                  + (f"; kept {len(done['kept'])} from a reference GPU run: {' '.join(done['kept'])}" if done["kept"] else "")
+                  + (f"; not in the run: {' '.join(done['missing'])}" if done["missing"] else "")
+                  + ". Then `python -m ddpm_core.reference readme` rewrites the README's sentence on where they come from.")
         else:
             for archive in unpack_all([Path(a) for a in args.archive], force=args.force):
                 print(f"unpacked {archive}")

@@ -5,8 +5,8 @@
 
 Each notebook declares the figures it makes in its metadata (``metadata["ddpm"]["figures"]``);
 a run fails if a cell raises or a declared figure was not written. Executed copies go to
-``runs/notebooks/`` (never over the committed, output-free notebooks), figures to ``figures/``
-or ``$DDPM_FIGURES_DIR``.
+``runs/notebooks/`` (never over the committed, output-free notebooks), figures to ``data/figures/``
+or ``$DDPM_FIGURES_DIR`` (never over the committed ones in ``figures/``: ``reference figures`` copies them there).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ def data_root(tmp_path_factory) -> str:
 def _isolated_dirs(monkeypatch, data_root, tmp_path_factory):
     monkeypatch.setenv("DDPM_DATA_DIR", data_root)
     monkeypatch.setenv("DDPM_FIGURES_DIR", str(tmp_path_factory.getbasetemp() / "figures"))
+    monkeypatch.setenv("DDPM_COMMITTED_FIGURES_DIR", str(tmp_path_factory.getbasetemp() / "committed-figures"))
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +78,7 @@ def _smoke_reference_run(request, tmp_path_factory):
         return
     root = tmp_path_factory.mktemp("reference")
     env = {**os.environ, "DDPM_DATA_DIR": str(root / "data"), "DDPM_FIGURES_DIR": str(root / "ignored-figures"),
+           "DDPM_COMMITTED_FIGURES_DIR": str(root / "ignored-committed-figures"),
            "PYTHONUNBUFFERED": "1"}
     log = open(root / "run.log", "w+")
     # two notebook parts at a time: one alone keeps about 1.25 of 2 cores busy, and once the other tests are done

@@ -4,7 +4,9 @@ slider, Ctrl+S.
 The test clones this repository (its committed HEAD) into tmp_path, defines the nbstripout git filter in the clone
 the way `make setup` does, and starts JupyterLab there on 127.0.0.1 with its config, data, runtime, settings and
 workspace folders in tmp_path (no user settings leak in, nothing is written outside tmp_path). The kernel runs in
-smoke mode with figures, runs and results in tmp_path; it imports the clone's ddpm_core. Chromium (Debian's
+smoke mode with runs in tmp_path, and its figures and results where a reader's go, under the data folder (the
+session's, outside the clone, so its generated dataset is made once): not into the clone's committed figures/. It
+imports the clone's ddpm_core. Chromium (Debian's
 `chromium` package, driven by Playwright; no browser download) opens 00_setup.ipynb and runs all cells from the
 Run menu. Checked: no cell raises; after Ctrl+S `git status` is clean in the clone (the metadata JupyterLab writes
 is as committed, the filter strips the outputs, and the save hook of ddpm_core/lab.py, which the server finds in the
@@ -201,9 +203,9 @@ def lab(request, clone, tmp_path, data_root):
     env.update({
         "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_DATA_DIR": str(jupyter / "data"),
         "JUPYTER_RUNTIME_DIR": str(jupyter / "runtime"), "IPYTHONDIR": str(jupyter / "ipython"),
-        # the kernel inherits these: smoke mode, every output in tmp_path, the clone's ddpm_core
-        "DDPM_SMOKE": "1", "DDPM_FIGURES_DIR": str(tmp_path / "figures"), "DDPM_RUNS_DIR": str(tmp_path / "runs"),
-        "DDPM_RESULTS_DIR": str(tmp_path / "results"),
+        # the kernel inherits these: smoke mode, runs in tmp_path, the clone's ddpm_core; figures and results where a
+        # reader's go (DDPM_FIGURES_DIR and DDPM_RESULTS_DIR unset: under the data folder), not into the clone's figures/
+        "DDPM_SMOKE": "1", "DDPM_RUNS_DIR": str(tmp_path / "runs"),
         "DDPM_DATA_DIR": data_root,  # the session's data folder: the generated dataset is made once per test run
         "PYTHONPATH": str(clone),
     })
@@ -253,7 +255,8 @@ def page(browser, lab, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- the test
-def test_notebook_00_runs_in_jupyterlab_in_a_real_browser(clone, lab, page, tmp_path):
+def test_notebook_00_runs_in_jupyterlab_in_a_real_browser(clone, lab, page, tmp_path, data_root):
+    started = time.time() - 1  # figures older than this come from another test's run
     nb_path = clone / NOTEBOOK
     committed = json.loads(nb_path.read_text())
     kernel = committed["metadata"]["kernelspec"]
@@ -304,7 +307,7 @@ def test_notebook_00_runs_in_jupyterlab_in_a_real_browser(clone, lab, page, tmp_
           lambda: nb_path.stat().st_mtime_ns != before and "jp-mod-dirty" not in (current_tab.get_attribute("class") or ""),
           why)
 
-    # 4. What was saved: every code cell ran, none raised, and the figures went to the test's figures folder.
+    # 4. What was saved: every code cell ran, none raised, and the figures went where a reader's go (data/figures/).
     saved = json.loads(nb_path.read_text())
     code = [(i, c) for i, c in enumerate(saved["cells"], 1) if c["cell_type"] == "code"]
     errors = [f"cell {i} (id {c.get('id')}): {o['ename']}: {o['evalue']}"
@@ -313,8 +316,9 @@ def test_notebook_00_runs_in_jupyterlab_in_a_real_browser(clone, lab, page, tmp_
     not_run = [f"cell {i} (id {c.get('id')})" for i, c in code if c.get("execution_count") is None]
     assert not not_run, f"Run All Cells left cells unexecuted: {', '.join(not_run)}"
     figures = committed["metadata"]["ddpm"]["figures"]
-    missing = [f for f in figures if not (tmp_path / "figures" / f).is_file()]
-    assert not missing, f"{NOTEBOOK} did not write {missing} into DDPM_FIGURES_DIR ({tmp_path / 'figures'})"
+    written = Path(data_root) / "figures"
+    missing = [f for f in figures if not (written / f).is_file() or (written / f).stat().st_mtime < started]
+    assert not missing, f"{NOTEBOOK} did not write {missing} into the data folder's figures/ ({written})"
 
     # 5. `git status` is clean: the filter strips the outputs, the metadata JupyterLab wrote is as committed, and the
     # save hook that make setup registers (ddpm_core/lab.py) refreshed git's index (git takes a file whose size

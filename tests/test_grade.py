@@ -137,3 +137,32 @@ def test_solutions_come_after_the_exercises(nb):
     if sol:
         ex = next(i for i, c in enumerate(cells) if "## Exercises" in c.source)
         assert min(sol) > ex
+
+
+def test_the_students_edition_is_the_committed_tree_without_any_solution(tmp_path, capsys):
+    import subprocess
+
+    from ddpm_core import hosted
+    from ddpm_core.paths import REPO_ROOT
+
+    if not (REPO_ROOT / ".git").exists():
+        pytest.skip(f"{REPO_ROOT} is not a git checkout: the students' edition is made from its committed tree")
+    url = "https://example.org/course/ddpm-student.git"
+    dest = tmp_path / "edition"
+    assert student.main(["--repo", str(dest), "--url", url]) == 0
+    assert "students' edition of the committed tree" in capsys.readouterr().out
+    committed = set(subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files"], capture_output=True, text=True,
+                                   check=True).stdout.split())
+    made = {str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()}
+    assert made == {f for f in committed if not f.startswith(student.NOT_IN_STUDENT_REPO)}
+    for nb in sorted((dest / "notebooks").glob("*.ipynb")) + sorted((dest / "data" / "reference").glob("*/notebooks/*.ipynb")):
+        cells = nbformat.read(nb, 4).cells
+        assert not [c for c in cells if student.SOLUTION_TAG in c.metadata.get("tags", [])], nb
+        assert "## Exercises" in "".join(c.source for c in cells if c.cell_type == "markdown") or "reference" in nb.parts
+    for nb in sorted((dest / "notebooks").glob("*.ipynb")):
+        assert hosted.cells(nbformat.read(nb, 4))[0].source == hosted.cell_source(url)
+    assert (dest / "README.md").read_text().startswith(student.STUDENT_NOTE)
+    # a second edition into the same folder, a URL without --repo, and a bad URL are refused before anything is written
+    assert student.main(["--repo", str(dest)]) == 2
+    assert student.main(["--url", url]) == 2
+    assert student.main(["--repo", str(tmp_path / "bad"), "--url", "not a url"]) == 2 and not (tmp_path / "bad").exists()

@@ -919,7 +919,7 @@ def test_a_delta_over_a_missing_folder_or_one_it_did_not_start_from_is_refused_n
     assert (here / "notebooks" / "04_torch_compile.ipynb").exists()
     proc = subprocess.run([sys.executable, "-m", "ddpm_core.reference", "unpack", str(archive)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "DDPM_REFERENCE_DIR": str(tmp_path / "cli-root"),
-                                                       "DDPM_FIGURES_DIR": str(tmp_path / "cli-figures")})
+                                                       "DDPM_COMMITTED_FIGURES_DIR": str(tmp_path / "cli-figures")})
     assert proc.returncode == 1 and "which is missing here. Fix: unpack the earlier archives" in proc.stderr
     # a delta that holds meta.json (a run that redid meta) makes a missing folder only when told to
     again = _committed_folder(tmp_path / "again" / "h100-80gb-hbm3")
@@ -1197,3 +1197,35 @@ def test_peak_gib_reads_one_row_of_a_reference_run():
     assert 8.0 < got < 8.7 and kind.startswith("peak allocated, CUDA")
     assert reference.peak_gib(reference.REFERENCE_DIR / "h200", "03b_memory", "no checkpointing", 64, "fp32") is None
     assert reference.peak_gib(reference.REFERENCE_DIR / "h100-80gb-hbm3", "03b_memory", "no checkpointing", 128, "fp32") is None
+
+
+def test_a_runs_figures_go_to_the_committed_ones_only_on_purpose_and_never_over_a_gpu_runs(tmp_path, monkeypatch):
+    """Runs write to data/figures/ (git-ignored), not to the committed figures/; `reference figures` copies a run's
+    figures there, except those a full reference GPU run made, which change only through unpack."""
+    from ddpm_core import paths, plots
+
+    monkeypatch.delenv("DDPM_FIGURES_DIR")
+    monkeypatch.setenv("DDPM_DATA_DIR", str(tmp_path / "data"))
+    assert paths.figures_dir() == tmp_path / "data" / "figures" != paths.committed_figures_dir()
+    committed, root = tmp_path / "committed", tmp_path / "reference"
+    monkeypatch.setenv("DDPM_COMMITTED_FIGURES_DIR", str(committed))
+    run = root / "h200"
+    (run / "figures").mkdir(parents=True)
+    (run / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H200", "mode": "full", "torch_version": "2.11"}))
+    declared = {nb.stem.split("_")[0]: series.declared_figures(nb) for nb in NOTEBOOKS}
+    gpu_name = declared["00"][0]
+    committed.mkdir()
+    gpu_png = plots.savefig(plots.plt.figure(), run / "figures" / gpu_name, source="NVIDIA H200 · torch 2.11", mode="full")
+    (committed / gpu_name).write_bytes(gpu_png.read_bytes())  # as unpack copies it
+    fig = plots.plt.figure()
+    for names in declared.values():
+        for name in names[1:] if names[0] == gpu_name else names:
+            plots.savefig(fig, name)  # the run's, into data/figures/
+    plots.savefig(fig, gpu_name)
+    assert not list(committed.glob("*.png"))[1:]  # the run wrote nothing into the committed folder
+    done = reference.gallery(root=root)
+    assert done["kept"] == [gpu_name] and (committed / gpu_name).read_bytes() == gpu_png.read_bytes()
+    assert sorted(done["copied"]) == sorted(n for names in declared.values() for n in names if n != gpu_name)
+    assert done["missing"] == []
+    with pytest.raises(ValueError, match="same folder"):
+        reference.gallery(committed, committed, root=root)
