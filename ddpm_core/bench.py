@@ -1210,6 +1210,19 @@ def compare(variants: list[Variant], *, rounds: int = 5, iters: int = 2, warmup:
                       dropped=dropped)
 
 
+def comparison_of_times(times: dict[str, list[float]], first_ms: dict[str, float], load: "CpuLoad", *,
+                        batch_size: int = 1, rounds: int = 0, device: torch.device | str = "cpu") -> Comparison:
+    """A :class:`Comparison` of calls timed outside :func:`compare`, for a protocol that needs untimed work between the
+    timed calls (07's Exercise 3 times only the first batch of each epoch, and ends each epoch untimed). ``times``: ms
+    per timed call of each variant, the first variant the baseline; ``first_ms``: each one's first call, timed apart;
+    ``load``: the ``CpuLoad`` block the timed calls ran in. The same verdicts as ``compare``'s, from the same rules."""
+    device = torch.device(device)
+    measurements = [_measurement(name, device, batch_size, first_ms[name], list(t), None, "not measured", None, None, None)
+                    for name, t in times.items()]
+    return Comparison(measurements, load.noise({m.name: (m.p90_ms - m.p10_ms) / m.median_ms for m in measurements}),
+                      rounds=rounds)
+
+
 def compare_in_processes(configs: dict[str, dict[str, Any]], *, batch_size: int, rounds: int = 3, iters: int = 5,
                          warmup: int = 3, flops: int | None = None, baseline: int = 0, timeout: float = 900,
                          progress: bool = True) -> Comparison:

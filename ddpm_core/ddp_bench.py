@@ -24,6 +24,15 @@ from .env import device_name
 from .train import TrainConfig, _init_distributed, _release_group, build, exit_worker
 
 
+def launch_device_name(device: torch.device, world_size: int) -> str:
+    """What one launch ran on: the GPU's name, or on a CPU what ran there, "CPU (<processor>, 1 thread per process,
+    2 processes)": ``device_name`` counts one process's threads, and a launch of N processes uses N times as many."""
+    name = device_name(device)
+    if device.type != "cpu" or not name.endswith(")"):
+        return name
+    return name[:-1] + f" per process, {world_size} process{'es' if world_size != 1 else ''})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddpm_core.ddp_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                       "global_batch": args.batch_size * t.world_size, "median_ms": median,
                       "images_per_s": args.batch_size * t.world_size / (median / 1e3),
                       "backend": dist.get_backend() if t.world_size > 1 else "none",
-                      "device_name": device_name(t.device), "torch_version": torch.__version__,
+                      "device_name": launch_device_name(t.device, t.world_size), "torch_version": torch.__version__,
                       "model": args.model, "precision": args.precision, "times_ms": times,
                       "threads_per_process": torch.get_num_threads(),
                       "ddp_bucket_cap_mb": t.net.bucket_bytes_cap / 2**20 if t.world_size > 1 else None}

@@ -1,4 +1,4 @@
-"""Figures in one style, saved to figures/ (or $DDPM_FIGURES_DIR) and labeled with the device."""
+"""Figures in one style, saved to data/figures/ (or $DDPM_FIGURES_DIR) and labeled with the device."""
 
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def figure_source(path: Path | str) -> dict[str, str]:
 def savefig(fig: "plt.Figure", name: str, dpi: int = 150, source: str | None = None, mode: str | None = None) -> Path:
     """Save ``fig`` as ``<figures dir>/<name>`` (PNG, written atomically) and return the path.
 
-    The folder is $DDPM_FIGURES_DIR when set, so test runs never overwrite committed figures. A PNG records where it
+    The folder is ``paths.figures_dir()``: $DDPM_FIGURES_DIR when set, else data/figures/, which git ignores, so
+    no run overwrites the committed figures in figures/ (``reference figures`` copies them there). A PNG records where it
     comes from (``source_metadata``: ``source``, default this process's device label; ``mode``; the date), which the
     README's sentence on the committed figures is written from. A legend that covers a label or a title is reported
     as a warning that starts with ``LAYOUT_WARNING`` (the suite fails on it).
@@ -542,10 +543,16 @@ def scaling_efficiency(df, *, label: str | None = None, x: str = "world_size", y
         text = "n/a" if e is None or e != e else f"{100 * e:.0f}%"
         ax.annotate(text, (n, v), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
     ax.set_xticks(df[x].tolist())
-    ax.set_xlabel("processes (GPUs, or CPU workers)")
+    ax.set_ylim(bottom=0)  # from zero: a shortfall of 12% should look like 12%
+    # training processes, not DataLoader workers (07's "workers"); a one-process row launched without DDP says so
+    single_plain = "backend" in df and str(df["backend"].iloc[0]) == "none" and df[x].iloc[0] == 1
+    ax.set_xlabel("training processes (one per GPU, or CPU processes)"
+                  + ("; 1 process runs without DDP, so the ideal line\nand the efficiencies count DDP's own overhead too"
+                     if single_plain else ""), fontsize=9)
     ax.set_ylabel("images / s")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     _title(ax, title, label)
+    fig.tight_layout()
     return fig
 
 
@@ -650,11 +657,13 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
 
 def compile_breakeven(rows, *, label: str | None = None, steps: int | None = None,
                       title: str = "torch.compile: steady-state speed and when it pays off",
-                      comparison: Any = None) -> "plt.Figure":
+                      comparison: Any = None, breakeven_words: dict[str, str] | None = None) -> "plt.Figure":
     """Left: steady-state ms/step per variant with speedup over the first (eager). Right: total
     time against the number of steps, first call (compilation) included, with break-even points.
 
-    ``rows``: a DataFrame with name, first_ms and median_ms (``Measurement.row()`` rows)."""
+    ``rows``: a DataFrame with name, first_ms and median_ms (``Measurement.row()`` rows). The line is drawn from the
+    medians; ``breakeven_words`` (variant name -> e.g. "3,300 to 5,000") labels a variant's break-even with what its
+    timings allow instead of the medians' one point."""
     import numpy as np
 
     set_style()
@@ -689,7 +698,8 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
         if e is not None and 0 < e <= horizon:
             ax2.axvline(e, color=f"C{i}", ls=":", lw=1)
             hinted = comparison is not None and comparison.hint(r["name"], base["name"])  # a ratio stated as a hint
-            ax2.annotate(f"pays off after {e:,.0f} steps" + (" (a hint: few timed calls)" if hinted else ""),
+            words = (breakeven_words or {}).get(r["name"], f"{e:,.0f}")
+            ax2.annotate(f"pays off after {words} steps" + (" (a hint: few timed calls)" if hinted else ""),
                          (e, (r["first_ms"] + e * r["median_ms"]) / 1e3),
                          xytext=(4, -12), textcoords="offset points", fontsize=8, color=f"C{i}")
     ax2.set_xlabel("training steps")
@@ -814,15 +824,50 @@ def short_name(name: str, width: int = 48) -> str:
     return name[:head] + "..." + name[-(width - 3 - head):]
 
 
+# ATen operators that only call the one beneath them (torch 2.14.1's CPU traces: aten::conv2d -> aten::convolution ->
+# aten::_convolution -> aten::mkldnn_convolution). Compiled code calls the operator beneath directly, so the wrapper
+# vanishes from a trace while the work it wrapped still runs.
+WRAPPED_BY = {"aten::conv1d": ("aten::convolution",), "aten::conv2d": ("aten::convolution",),
+              "aten::conv3d": ("aten::convolution",), "aten::linear": ("aten::addmm", "aten::matmul"),
+              "aten::group_norm": ("aten::native_group_norm",), "aten::layer_norm": ("aten::native_layer_norm",),
+              "aten::dropout": ("aten::native_dropout",)}
+
+
+def vanished_wrappers(diff, every=None) -> dict[str, tuple[str, float, float, float]]:
+    """The rows of ``diff`` (``traces.diff``) that are a vanished wrapper: an operator of ``WRAPPED_BY`` whose calls went
+    to 0 while the operator beneath it ran as often as before, at least as often as the wrapper had. Its bar is not work
+    saved: the work moved into the operator beneath. ``every``: the whole diff (``traces.diff(..., top=<all>)``), where
+    the operator beneath may not be among ``diff``'s rows. Returns {wrapper: (operator beneath, its calls before, its calls
+    after, its time change in us)}."""
+    rows = (every if every is not None else diff).set_index("name")
+    found = {}
+    for _, row in diff.iterrows():
+        name, before, after = str(row["name"]), float(row["calls before"]), float(row["calls after"])
+        if after or not before:
+            continue
+        for child in WRAPPED_BY.get(name, ()):
+            if child in rows.index:
+                c = rows.loc[child]
+                c = c.iloc[0] if getattr(c, "ndim", 1) > 1 else c
+                if c["calls before"] == c["calls after"] >= before:
+                    found[name] = (child, float(c["calls before"]), float(c["calls after"]), float(c["time change (us)"]))
+                    break
+    return found
+
+
 def trace_diff_bars(diff, *, label: str | None = None, title: str = "What changed in the trace",
-                    inclusive: bool = True, by_kind=None) -> "plt.Figure":
+                    inclusive: bool = True, by_kind=None, wrappers: dict | None = None) -> "plt.Figure":
     """The rows of ``traces.diff``: time change per operator or kernel, green where time was saved,
     red where it was added, with the call counts before -> after. ``inclusive``: the rows are CPU
     operators, whose times contain the operators they call (a GPU trace's diff compares kernels,
     which do not nest: pass False). ``by_kind`` (``traces.diff_by_kind``): a panel above, one step's time per kind of
-    work before and after, with its call counts and how many kernel (operator) names of the kind appeared or vanished."""
+    work before and after, with its call counts and how many kernel (operator) names of the kind appeared or vanished.
+    ``wrappers`` (``vanished_wrappers``; None: found among ``diff``'s own rows): vanished wrappers, drawn hatched and
+    grey with the operator beneath them, since their bars are not work saved."""
     set_style()
     diff = diff.reset_index(drop=True)
+    if wrappers is None:
+        wrappers = vanished_wrappers(diff) if inclusive else {}
     if by_kind is None:
         fig, ax = plt.subplots(figsize=(9, 0.4 * len(diff) + 1.6))
     else:
@@ -842,18 +887,25 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
         top.set_xlabel(("GPU kernel time" if compared == "kernels" else "CPU operator self time")
                        + " per step by kind (ms)\nnew / gone: names of the kind found in one of the two traces only",
                        fontsize=9)
-        top.legend(fontsize=8, loc="lower right")
+        # outside the panel, right of it: inside, it covered the end of the longest "after" bar (09's convolution)
+        top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         _title(top, title, label)
     ms = diff["time change (us)"] / 1e3
-    ax.barh(range(len(diff)), ms, color=["C2" if v < 0 else "C3" for v in ms])
+    wrapped = [str(n) in wrappers for n in diff["name"]]
+    ax.barh(range(len(diff)), ms, color=["C7" if w else "C2" if v < 0 else "C3" for v, w in zip(ms, wrapped)],
+            hatch=["//" if w else "" for w in wrapped], edgecolor="white")
     names = [short_name(n) for n in diff["name"].astype(str)]
-    ax.set_yticks(range(len(diff)), [f"{n}  ({b:.0f} -> {a:.0f} calls)" for n, b, a in
-                                     zip(names, diff["calls before"], diff["calls after"])], fontsize=8)
+    ax.set_yticks(range(len(diff)), [f"{n}  ({b:.0f} -> {a:.0f} calls" + (
+        f"; a wrapper: {wrappers[str(full)][0]} ran {wrappers[str(full)][1]:.0f} -> {wrappers[str(full)][2]:.0f})"
+        if str(full) in wrappers else ")") for n, full, b, a in
+                                     zip(names, diff["name"], diff["calls before"], diff["calls after"])], fontsize=8)
     ax.axvline(0, color="k", lw=0.8)
     ax.invert_yaxis()
     ax.set_xlabel("time change in one step (ms; negative = less time in this row)" + (
         "\ninclusive times: a row contains the rows it calls, so nested rows count the same time twice" if inclusive
-        else "\nkernels: each row is GPU time of its own"), fontsize=9)
+        else "\nkernels: each row is GPU time of its own")
+        + ("\nhatched grey: a wrapper that vanished while the operator beneath it kept its calls\n(compiled code calls "
+           "that operator directly): its bar is the time it wrapped, not work saved" if any(wrapped) else ""), fontsize=9)
     if by_kind is None:
         _title(ax, title, label)
     else:
@@ -870,26 +922,33 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
     before. With ``comparison`` (a ``bench.Comparison`` holding every stage, named as in column ``x``) both come from
     its verdicts, and where it states no ratio the label says why, as its table does ("within noise", "noisy", "too
     few repeats"), on a grey bar; without one, every label is the ratio of the medians. ``why(name, base_name)``, where
-    it returns a word, labels a pair with no stated ratio by that word instead (09 says "noisy" where a stage's own
-    repeats spread too widely, as its table and its sentences do)."""
+    it returns a word, labels the pair by that word instead of its ratio or verdict, on a grey bar (09 says "noisy" where
+    a stage's own repeats spread too widely, as its table and its sentences do, and "drift" where a stated step factor
+    is more than the one part its stage changes could give). A key under the axis says what the bars' colours mean."""
     set_style()
     stages = stages.reset_index(drop=True)
 
+    def word(name: str, base: str) -> str | None:
+        return why(name, base) if why is not None and comparison is not None else None
+
     def ratio(r: float, name: str, base: str) -> str:
-        word = why(name, base) if why is not None and comparison is not None and comparison.speedup(name, base) is None else None
-        return word or _ratio_text(r, name, base, comparison)
+        return word(name, base) or _ratio_text(r, name, base, comparison)
 
     cum = stages[y] / stages[y].iloc[0]
     prev = cum.shift(1).fillna(0)
     names = list(stages[x])
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(stages) + 1.8))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(stages) + 2.3))
+    used = set()  # the colours drawn, for the key
     for i, (name, c, p) in enumerate(zip(names, cum, prev)):
         if i == 0:
             stated, text = True, "1.00x: the baseline"
         else:  # two lines: on one, the labels took half the axis and squeezed the bars
-            stated = comparison is None or comparison.speedup(name, names[i - 1]) is not None
+            stated = ((comparison is None or comparison.speedup(name, names[i - 1]) is not None)
+                      and word(name, names[i - 1]) is None)
             text = f"total {ratio(c, name, names[0])}\nstep {ratio(c / p, name, names[i - 1])}"
-        ax.barh(i, c - p, left=p, color="C7" if i == 0 or not stated else ("C2" if c >= p else "C3"))
+        color = "C7" if i == 0 or not stated else ("C2" if c >= p else "C3")
+        used.add(color)
+        ax.barh(i, c - p, left=p, color=color)
         ax.text(max(c, p), i, text, va="center", fontsize=7.5, linespacing=1.1,
                 transform=ax.transData + matplotlib.transforms.ScaledTranslation(4 / 72, 0, fig.dpi_scale_trans))
     ax.set_yticks(range(len(stages)), stages[x])
@@ -901,6 +960,16 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
                   "total: over the baseline, step: over the stage before", fontsize=9)
     _title(ax, title, label)
     fig.tight_layout()
+    # the key: what each colour says about the step (the bar's length) against the stage before
+    said = "measurably" if comparison is not None else "by the medians"
+    key = [("C2", f"step {said} faster than the stage before"), ("C3", f"step {said} slower than the stage before"),
+           ("C7", "the baseline" + (", or no ratio stated for the step (within noise, noisy, too few repeats"
+                                    + (", or as its label says" if why is not None else "") + ")"
+                                    if comparison is not None else ""))]
+    from matplotlib.patches import Patch
+
+    legend_below(ax, handles=[Patch(color=c, label=t) for c, t in key if c in used],
+                 fontsize=8, ncol=1)
     _labels_in_view(ax, (1.0,))  # the axis ends at the longest label, and no label runs across the baseline's line
     return _checked(fig, comparison is not None)
 
@@ -916,6 +985,7 @@ def _same_decimals(values: list, most: int = 4) -> list[str]:
 
 
 TABLE_FONT, TABLE_ROW_SCALE = 8, 1.3
+TABLE_CELL_CHARS = 36  # a longer cell is wrapped onto lines of at most this many characters
 # matplotlib's cell height: its table's default font size (Table.FONTSIZE, whatever size the text is set to) in
 # inches, times 1.2 (Table._approx_text_height), times the row scale
 TABLE_ROW_IN = matplotlib.table.Table.FONTSIZE / 72 * 1.2 * TABLE_ROW_SCALE
@@ -927,18 +997,23 @@ def table_figure(df, *, label: str | None = None, title: str = "Summary") -> "pl
     The figure is the table's size: as tall as its rows (a cell is ``TABLE_ROW_IN`` inches at this font size and
     scale), as wide as its columns once drawn. A fixed height per row plus a margin and a width per column, with the
     table centered, left bands of white around 09's table."""
-    rows_in = TABLE_ROW_IN * (len(df) + 1)
+    columns = [_same_decimals(df[c].tolist()) for c in df.columns]
+    # a long cell is wrapped onto more lines, never cut: H200's "13.3% of H200 bf16 dense peak 989.4 TFLOP/s" lost its
+    # unit to "TFLO..."; its row grows a line for each line its tallest cell has
+    cells = [[textwrap.fill(v, TABLE_CELL_CHARS, break_on_hyphens=False) if len(v) > TABLE_CELL_CHARS else v for v in row]
+             for row in zip(*columns)]
+    lines = [1] + [max(v.count("\n") + 1 for v in row) for row in cells]  # the header's row, then each row's
+    rows_in = TABLE_ROW_IN * sum(lines)
     fig = plt.figure(figsize=(min(18, 1.6 + 1.5 * len(df.columns)), rows_in))
     ax = fig.add_axes((0, 0, 1, 1))  # the title sits above it, and savefig's tight box takes it in
     ax.set_axis_off()
-    columns = [_same_decimals(df[c].tolist()) for c in df.columns]
-    cells = [[(v if len(v) <= 42 else v[:40] + "...") for v in row] for row in zip(*columns)]
     tbl = ax.table(cellText=cells, colLabels=list(df.columns), loc="upper center", cellLoc="center")
     tbl.auto_set_font_size(False)
     tbl.set_fontsize(TABLE_FONT)
     tbl.auto_set_column_width(col=list(range(len(df.columns))))
     tbl.scale(1, TABLE_ROW_SCALE)
     for (r, _c), cell in tbl.get_celld().items():
+        cell.set_height(cell.get_height() * lines[r])
         if r == 0:
             cell.set_text_props(weight="bold")
     fig.canvas.draw()  # the columns take their widths from their texts when drawn: the figure is then made that wide
@@ -1016,7 +1091,9 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
     """Seconds per epoch of ``images`` images against the batch per process, one line per
     (processes, precision): the seed project's figure, from measured images/s.
 
-    ``df``: rows with ``world_size``, ``precision``, ``batch_per_process`` and ``images_per_s``."""
+    ``df``: rows with ``world_size``, ``precision``, ``batch_per_process`` and ``images_per_s``; where it has them,
+    ``times_ms`` (each point's timed steps: a vertical bar marks their p10-p90) and ``backend`` ("none": a launch of
+    one process without DDP, so marked in the legend)."""
     set_style()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     # one hue per process count, a line style per precision: the palette's orange and vermillion (C1, C3) looked alike
@@ -1024,13 +1101,23 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
     worlds = sorted(df["world_size"].unique())
     for (world, precision), g in df.groupby(["world_size", "precision"], sort=True):
         g = g.sort_values("batch_per_process")
+        color = hues[worlds.index(world) % len(hues)]
+        ddp = "" if "backend" not in g else " (no DDP)" if str(g["backend"].iloc[0]) == "none" else " (DDP)"
         ax.plot(g["batch_per_process"], images / g["images_per_s"], marker="o" if precision == "fp32" else "s",
-                color=hues[worlds.index(world) % len(hues)], ls="-" if precision == "fp32" else "--",
-                label=f"{world} process{'es' if world > 1 else ''}, {precision}")
+                color=color, ls="-" if precision == "fp32" else "--",
+                label=f"{world} process{'es' if world > 1 else ''}{ddp}, {precision}")
+        if "times_ms" in g:  # each point's p10-p90 over its timed steps (a vertical bar): the same share of the epoch
+            import statistics
+
+            for b, ts in zip(g["batch_per_process"], g["times_ms"]):
+                ts = list(ts)
+                q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) > 1 else [ts[0]] * 9
+                ax.vlines(b, images * q[0] / 1e3 / (b * world), images * q[-1] / 1e3 / (b * world), color=color, lw=1.5)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     log_ticks(ax, extend_up=True)  # labelled gridlines, not a crammed column of minor-tick labels; one above the top
-    ax.set_xlabel("batch size per process")
+    ax.set_xlabel("batch size per process" + ("\neach point one launch: its median step; the vertical bar, the p10-p90 "
+                                              "of its steps" if "times_ms" in df else ""), fontsize=10 if "times_ms" in df else None)
     ax.set_ylabel("seconds per epoch (log scale)")  # the epoch's size is in the title: a longer label ran into it
     legend_below(ax, fontsize=8, ncol=2)  # inside, it covered the last point of a line
     _title(ax, title, label)
@@ -1062,11 +1149,14 @@ def quality_band(result, *, label: str | None = None,
         ax.plot(s.index, s.values, color="C0", alpha=0.35, lw=0.8,
                 label=f"the other baseline seeds ({smoothed})" if i == 0 else None)
     if twin in base:
+        # wide and dark, under the fast run's thin dashed line: where the two coincide (the point of a twin), the twin
+        # shows on both sides of the dashes instead of vanishing under them
         s = smooth(result.curves[twin], result.window)
-        ax.plot(s.index, s.values, color="C0", lw=1.4, label=f"{twin}: the fast run's twin")
+        ax.plot(s.index, s.values, color="C0", lw=4.0, alpha=0.6, solid_capstyle="butt", zorder=2.1,
+                label=f"{twin}: the fast run's twin (wide, under the dashes)")
     ax.fill_between(band["step"], band["low"], band["high"], color="C0", alpha=0.25, lw=0,
                     label=f"baseline band ({len(base)} seeds, min-max)")
-    ax.plot(band["step"], band["fast"], color="C3", ls="--", lw=1.6,
+    ax.plot(band["step"], band["fast"], color="C3", ls="--", lw=1.4, zorder=2.2,
             label=f"{fast}: inside the band at {100 * result.inside:.0f}% of judged steps"
                   + (f",\nwithin the seeds' spread of its twin at {100 * result.within_spread:.0f}%"
                      if not math.isnan(result.within_spread) else ""))
@@ -1161,6 +1251,15 @@ def log_ticks(ax, axis: str = "y", extend_down: bool = False, extend_up: bool = 
 
 
 # ------------------------------------------------------------------------------ the fastest step (notebook 09b)
+def _significant(v: float, digits: int = 3) -> str:
+    """``v`` with at least ``digits`` significant figures, thousands separated and never in e-notation: 37.5, 38.2,
+    1,234, 0.0123."""
+    if not math.isfinite(v) or v == 0:
+        return f"{v:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(v))))
+    return f"{v:,.{decimals}f}"
+
+
 def peers_figure(table, *, ceiling=None, label: str | None = None,
                  title: str = "Our training step and the peers, side by side") -> "plt.Figure":
     """Left: images/s per contender, labelled with the comparison's own speedup text (a ratio only
@@ -1177,11 +1276,12 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
     # beside an images/s bar it does not describe
     other = [OTHER_NETWORK in s for s in table["speedup"].astype(str)]
     for b, v, s, o in zip(bars, table["img/s"], table["speedup"].astype(str), other):
-        ax1.annotate(f"{v:,.0f} · " + ("another network: compare TFLOP/s" if o else s),
+        # three significant figures: "38 · 1.00x" beside "38 · 1.02x" read as a contradiction (37.5 and 38.2 img/s)
+        ax1.annotate(f"{_significant(v)} · " + ("another network: compare TFLOP/s" if o else s),
                      (b.get_width(), b.get_y() + b.get_height() / 2), xytext=(3, 0),
                      textcoords="offset points", va="center", fontsize=8)
     ax1.set_xlim(0, table["img/s"].max() * 1.6)
-    ax1.set_xlabel("images / s")
+    ax1.set_xlabel(f"images / s; each factor against {table['variant'].iloc[0]}")
     tf = table["TFLOP/s"].astype(float)
     bars = ax2.barh(names, tf, color="C1")
     for b, v, s, o in zip(bars, tf, table["speedup"].astype(str), other):

@@ -709,10 +709,10 @@ def diff_summary(changed: pd.DataFrame, what: str = "operators", autocast_change
                and max(r["calls before"], r["calls after"]) == 2 * min(r["calls before"], r["calls after"])]
     twice = ("" if not doubled else
              f" {', '.join(f'`{n}`' for n in doubled)} doubled or halved {'its count' if len(doubled) == 1 else 'their counts'} "
-             "without doing twice or half the work: "
+             "without being called twice or half as often: "
              "under autocast the profiler records each such call twice (autocast's layer calls the operator again once "
              "it has cast the inputs), so the count of the operator beneath (`aten::convolution` for a convolution) is "
-             "the one that counts the work.")
+             "the one that counts the calls (what each call does grows with the batch, which the count does not show).")
     side, count = (("appeared", "calls after") if autocast_after else ("vanished", "calls before"))
     new_twice = [(r["name"], int(r[count])) for _, r in changed.iterrows()
                  if autocast_changed and autocast_after is not None and str(r["name"]) in AUTOCAST_RECORDED_TWICE

@@ -987,3 +987,19 @@ def test_a_factor_from_few_calls_within_the_spread_is_called_a_hint():
     assert c.verdict("wide").endswith(f"({c.hint('wide')})") and c.hint("wide").startswith("a hint: from 3 timed calls")
     assert c_many.hint("wide") == "" and c.hint("base") == ""
     assert c.factor("wide") == "1.09x (a hint)" and c_many.factor("wide").endswith("x")  # a table cell says so too
+
+
+def test_comparison_of_times_gives_compare_s_verdicts_for_calls_timed_elsewhere():
+    """07's Exercise 3 times only each epoch's first batch, and ends each epoch untimed: the times come from its own
+    loop, and the verdicts from the same rules as compare's."""
+    with bench.CpuLoad() as load:
+        pass
+    c = bench.comparison_of_times({"slow": [100.0, 101.0, 99.0, 100.5, 100.2], "fast": [10.0, 10.5, 9.8, 10.1, 10.2]},
+                                  {"slow": 300.0, "fast": 290.0}, load, rounds=5)
+    slow, fast = c.measurements
+    assert c.baseline is slow and (slow.first_ms, fast.first_ms) == (300.0, 290.0)
+    assert slow.median_ms == pytest.approx(100.2) and fast.iters == 5
+    if not c.noise.busy:  # a loaded test machine withholds every ratio: that is the rule, not a failure
+        assert c.speedup(fast, slow) == pytest.approx(slow.median_ms / fast.median_ms)
+    tied = bench.comparison_of_times({"a": [10.0, 12.0, 11.0], "b": [11.0, 10.5, 11.5]}, {"a": 1.0, "b": 1.0}, load)
+    assert tied.speedup("b", "a") is None

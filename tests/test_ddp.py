@@ -197,3 +197,13 @@ def test_a_torchrun_worker_exits_without_finalization_and_keeps_its_last_output(
     assert "finalized" not in worker.stderr  # finalization (where the abort happened) is skipped
     plain = subprocess.run([sys.executable, "-c", _EXIT_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 3 and "finalized" in plain.stderr  # outside torchrun: a normal exit
+
+
+def test_a_cpu_launch_is_labelled_with_its_threads_per_process_and_its_process_count():
+    """08 labelled its 2-process row "CPU (AMD EPYC, 1 thread)": one process's threads, while the launch used two cores."""
+    from ddpm_core.ddp_bench import launch_device_name
+    from ddpm_core.env import device_name
+
+    two = launch_device_name(torch.device("cpu"), 2)
+    assert two.startswith(device_name("cpu")[:-1]) and two.endswith(" per process, 2 processes)")
+    assert launch_device_name(torch.device("cpu"), 1).endswith(" per process, 1 process)")

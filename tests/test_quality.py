@@ -79,6 +79,12 @@ def test_quality_band_draws_the_curves_and_the_heldout_panel():
     try:
         assert isinstance(fig, plt.Figure) and len(fig.axes) == 2
         assert fig.axes[0].get_yscale() == "log" and "test machine" in fig._suptitle.get_text()
+        # the twin, which the fast run follows closely, is drawn wide under the fast run's dashes: both stay visible
+        lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+        twin = next(line for label, line in lines.items() if "the fast run's twin" in label)
+        fast = next(line for label, line in lines.items() if "inside the band" in label)
+        assert twin.get_linewidth() >= 2 * fast.get_linewidth() and twin.get_zorder() < fast.get_zorder()
+        assert fast.get_linestyle() == "--"
     finally:
         plt.close(fig)
 

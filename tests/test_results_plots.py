@@ -247,6 +247,26 @@ def test_a_table_figure_is_the_size_of_its_table_with_no_band_of_white_around_it
     plots.plt.close(fig)
 
 
+def test_a_table_figure_wraps_a_long_cell_instead_of_cutting_it():
+    """The H200's 09 table read "13.3% of H200 bf16 dense peak 989.4 TFLO...": a long cell goes onto two lines, and its
+    row grows to hold them."""
+    rows = bench.summary_table([_measurement("base", 10), _measurement("fast", 5)])
+    rows["MFU"] = ["13.3% of H200 bf16 dense peak 989.4 TFLOP/s", "1.0%"]
+    fig = plots.table_figure(rows, title="t")
+    fig.canvas.draw()
+    cells = fig.axes[0].tables[0].get_celld()
+    texts = [c.get_text().get_text() for c in cells.values()]
+    assert not any(t.endswith("...") for t in texts)
+    long = next(c for c in cells.values() if "989.4" in c.get_text().get_text())
+    assert long.get_text().get_text().replace("\n", " ") == "13.3% of H200 bf16 dense peak 989.4 TFLOP/s"
+    assert long.get_height() == pytest.approx(2 * cells[(0, 0)].get_height())  # its row: two lines tall
+    r = fig.canvas.get_renderer()
+    assert long.get_text().get_window_extent(r).height < long.get_window_extent(r).height  # the text fits its cell
+    table = fig.axes[0].tables[0].get_window_extent()
+    assert 0.9 < table.height / (fig.get_size_inches()[1] * fig.dpi) <= 1.01  # the figure still the table's size
+    plots.plt.close(fig)
+
+
 def test_readable_drops_a_named_column_only_where_no_row_has_a_value_and_fills_the_rest():
     df = pd.DataFrame({"a": [1.0, None], "note": ["", None], "kept": ["", "x"], "peak": [None, None]})
     out = bench.readable(df, drop_empty=("note", "kept", "peak"), na="—")
@@ -335,6 +355,9 @@ def test_the_break_even_line_is_drawn_only_where_the_comparison_states_a_speedup
         lines = [ln for ln in fig.axes[1].lines if ln.get_linestyle() == ":"]
         assert len(lines) == (1 if says == "pays off after" else 0)
         assert any("pays off after" in t for t in _texts(plots.compile_breakeven(rows, label="t")))  # medians alone
+        if says == "pays off after":  # the range the timings allow replaces the medians' one point in the label
+            worded = _texts(plots.compile_breakeven(rows, label="t", comparison=cmp, breakeven_words={"compiled": "1,100 to 1,200"}))
+            assert any("pays off after 1,100 to 1,200 steps" in t for t in worded), worded
         plots.plt.close("all")
 
 
@@ -393,6 +416,36 @@ def test_the_waterfall_prints_no_ratio_where_the_comparison_states_none():
     fig = plots.waterfall(rows, label="t", comparison=bench.Comparison(ms, busy))
     assert _texts(fig)[1:] == ["total noisy\nstep noisy", "total noisy\nstep noisy"]
     assert {bar.get_facecolor() for bar in fig.axes[0].patches[1:]} == {matplotlib.colors.to_rgba("C7")}  # all grey
+
+
+def test_the_waterfall_has_a_key_for_its_colours_and_a_word_can_replace_a_stated_ratio():
+    """09's waterfall said nowhere what green, vermilion and grey meant; and where a stated step factor is more than its
+    stage's one changed part can give, 09 labels it "drift", on a grey bar, as its table does."""
+    quiet = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={})
+    ms = [_spread("base", 200.0, 195, 205), _spread("+ a", 100.0, 98, 102), _spread("+ b", 130.0, 128, 132),
+          _spread("+ c", 90.0, 89, 91)]
+    rows = pd.DataFrame({"stage": [m.name for m in ms], "images_per_s": [m.images_per_s for m in ms]})
+    fig = plots.waterfall(rows, label="t", comparison=bench.Comparison(ms, quiet),
+                          why=lambda a, b: "drift" if a == "+ c" and b == "+ b" else None)
+    assert _texts(fig)[1:] == ["total 2.00x\nstep 2.00x", "total 1.54x\nstep 0.77x", "total 2.22x\nstep drift"]
+    colors = [bar.get_facecolor() for bar in fig.axes[0].patches]
+    assert colors == [matplotlib.colors.to_rgba(c) for c in ("C7", "C2", "C3", "C7")]
+    key = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert key[0].startswith("step measurably faster") and key[1].startswith("step measurably slower")
+    assert key[2].startswith("the baseline, or no ratio stated")
+    assert plots.legend_overlaps(fig) == []
+    plots.plt.close(fig)
+
+
+def test_the_peers_figure_prints_enough_digits_to_tell_distinct_ratios_apart():
+    """09b's bars read "38 · 1.00x" and "38 · 1.02x (a hint)" for 37.5 and 38.2 img/s."""
+    assert [plots._significant(v) for v in (37.5, 38.2, 1234.0, 0.01234, 5.0)] == ["37.5", "38.2", "1,234", "0.0123", "5.00"]
+    table = pd.DataFrame({"variant": ["ours (baseline)", "ours (fast)"], "batch": [4, 4], "img/s": [37.5, 38.2],
+                          "speedup": ["1.00x (baseline)", "1.02x (a hint)"], "TFLOP/s": [0.046, 0.047]})
+    fig = plots.peers_figure(table, label="t")
+    assert {"37.5 · 1.00x (baseline)", "38.2 · 1.02x (a hint)"} <= set(_texts(fig))
+    assert "against ours (baseline)" in fig.axes[0].get_xlabel()  # which pair every factor compares
+    plots.plt.close(fig)
 
 
 def test_bar_labels_stay_inside_the_axes_and_off_the_reference_lines():
@@ -499,3 +552,68 @@ def test_memory_bar_ticks_do_not_run_together():
         assert all(not a.overlaps(b) for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in ticks]
         assert any("," in t.get_text() for t in ticks), [t.get_text() for t in ticks]
         plots.plt.close(fig)
+
+
+def _diff_rows(rows):
+    return pd.DataFrame(rows, columns=["name", "calls before", "calls after", "time before (us)", "time after (us)",
+                                       "time change (us)", "change"])
+
+
+def test_a_vanished_wrapper_whose_operator_beneath_kept_its_calls_is_marked_not_read_as_a_saving():
+    """04's diff led with aten::conv2d (43 -> 0 calls, -28.7 ms) while aten::convolution beneath it still ran 43 -> 43:
+    compiled code calls the operator beneath directly. Such a row is a vanished wrapper; a fused-away one (its operator
+    beneath vanished too) is not."""
+    diff = _diff_rows([["aten::conv2d", 43, 0, 30_000, 0, -30_000, "vanished"],
+                       ["aten::convolution", 43, 43, 29_000, 24_000, -5_000, "same calls"],
+                       ["aten::group_norm", 20, 0, 8_000, 0, -8_000, "vanished"],
+                       ["aten::add", 36, 1, 3_000, 10, -2_990, "fewer calls"]])
+    assert plots.vanished_wrappers(diff) == {"aten::conv2d": ("aten::convolution", 43.0, 43.0, -5_000.0)}
+    # the operator beneath outside the top rows: found in the whole diff
+    top = diff[diff["name"] != "aten::convolution"].reset_index(drop=True)
+    assert plots.vanished_wrappers(top) == {}
+    assert set(plots.vanished_wrappers(top, diff)) == {"aten::conv2d"}
+    fig = plots.trace_diff_bars(diff, label="test")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert "a wrapper: aten::convolution ran 43 -> 43" in labels[0] and "wrapper" not in labels[2]
+    assert ax.patches[0].get_hatch() == "//" and not ax.patches[2].get_hatch()
+    assert "not work saved" in ax.get_xlabel()
+    plots.plt.close(fig)
+
+
+def test_the_trace_diff_legend_of_the_kind_panel_covers_no_bar():
+    """09's kind panel: its before/after legend, inside the panel, covered the end of the convolution's "after" bar."""
+    diff = _diff_rows([["aten::add", 10, 10, 2_000, 1_000, -1_000, "same calls"]])
+    by_kind = pd.DataFrame({"kind": ["convolution", "elementwise"], "calls before": [40, 300], "calls after": [40, 100],
+                            "time before (us)": [50_000, 9_000], "time after (us)": [52_000, 3_000],
+                            "appeared": [0, 2], "vanished": [0, 5], "time change (us)": [2_000, -6_000]})
+    fig = plots.trace_diff_bars(diff, label="test", by_kind=by_kind)
+    fig.canvas.draw()
+    top = fig.axes[0]
+    box = top.get_legend().get_window_extent()
+    assert not any(box.overlaps(p.get_window_extent()) for p in top.patches)
+    assert plots.legend_overlaps(fig) == []
+    plots.plt.close(fig)
+
+
+def test_scaling_figure_starts_at_zero_and_names_training_processes_and_the_plain_single_process():
+    scaling = pd.DataFrame({"world_size": [1, 2], "images_per_s": [40.0, 70.0], "backend": ["none", "gloo"],
+                            "efficiency": [1.0, 0.88]})
+    fig = plots.scaling_efficiency(scaling, label="test")
+    ax = fig.axes[0]
+    assert ax.get_ylim()[0] == 0
+    assert "workers" not in ax.get_xlabel() and "without DDP" in ax.get_xlabel()
+    plots.plt.close(fig)
+
+
+def test_epoch_time_figure_shows_each_point_s_spread_and_which_launch_ran_without_ddp():
+    df = pd.DataFrame({"world_size": [1, 1, 2, 2], "precision": ["fp32"] * 4, "batch_per_process": [4, 8, 4, 8],
+                       "images_per_s": [40.0, 60.0, 70.0, 110.0], "backend": ["none", "none", "gloo", "gloo"],
+                       "times_ms": [[100, 95, 105, 110], [133, 130, 140, 135], [114, 110, 120, 118], [145, 140, 150, 149]]})
+    fig = plots.epoch_time_vs_batch(df, label="test")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["1 process (no DDP), fp32", "2 processes (DDP), fp32"]
+    assert len(ax.collections) == 4 and len(ax.lines) == 2  # one p10-p90 bar per point, one line per curve
+    lo, hi = ax.collections[0].get_segments()[0][:, 1]
+    assert lo < 50_000 * 0.100 / 4 < hi  # the 1-process point at batch 4: its median step, 100 ms, inside its bar
+    plots.plt.close(fig)
