@@ -698,7 +698,14 @@ def figures_markdown(figures: Path | None = None, root: Path | None = None) -> s
     from .series import NOTEBOOKS_DIR, declared_figures, list_notebooks
 
     figures = Path(figures) if figures is not None else committed_figures_dir()
-    declared = {nb.stem.split("_")[0]: declared_figures(nb) for nb in list_notebooks(NOTEBOOKS_DIR)}
+    notebooks = list_notebooks(NOTEBOOKS_DIR)
+    declared = {nb.stem.split("_")[0]: declared_figures(nb) for nb in notebooks}
+    # a figure only a GPU draws (03b's allocator timeline) counts where a reference run committed it, and is not
+    # missing where none did
+    gpu_only = {nb.stem.split("_")[0]: [n for n in declared_figures(nb, gpu=True)
+                                        if n not in declared[nb.stem.split("_")[0]] and (figures / n).is_file()]
+                for nb in notebooks}
+    declared = {p: names + gpu_only[p] for p, names in declared.items()}
     groups: dict[str, list[tuple[str, str]]] = {}
     missing, unknown = [], []
     for prefix, names in declared.items():
@@ -722,7 +729,9 @@ def figures_markdown(figures: Path | None = None, root: Path | None = None) -> s
     said = "; ".join(f"{which(items)} from " + (src[:-1] + "; [where it stands](#where-the-reference-run-stands))"
                                                 if src.startswith("the reference run") else src)
                      for src, items in ordered)
-    text = (f"The figures in `figures/` (all {total} that the notebooks declare) come from real runs, each titled with "
+    on_gpu = sum(map(len, gpu_only.values()))
+    text = (f"The figures in `figures/` (all {total} that the notebooks declare"
+            + (f", {on_gpu} of which only a GPU draws" if on_gpu else "") + ") come from real runs, each titled with "
             f"its device (`python -m ddpm_core.reference readme` writes this sentence from the figures themselves): "
             f"{said or 'none is committed'}.")
     if unknown:

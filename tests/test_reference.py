@@ -1059,6 +1059,14 @@ def test_the_sentence_on_the_committed_figures_is_written_from_the_figures(tmp_p
     # a figure that differs from the reference run's copy is not credited to it
     plots.savefig(fig, declared["00"][0])
     assert "notebook 00 from" not in reference.figures_markdown(figs, root)
+    # a figure only a GPU draws counts where a reference run committed it (and is never missing where none did)
+    gpu = [n for n in series.declared_figures(series.NOTEBOOKS_DIR / "03b_memory.ipynb", gpu=True) if n not in declared["03b"]]
+    assert gpu and f"`{gpu[0]}`" not in reference.figures_markdown(figs, root)
+    (run / "figures" / gpu[0]).write_bytes(plots.savefig(fig, gpu[0], source="NVIDIA H200 · torch 2.11.0+cu130",
+                                                         mode="full").read_bytes())
+    text = reference.figures_markdown(figs, root)
+    assert f"(all {total + 1} that the notebooks declare, 1 of which only a GPU draws)" in text
+    assert f"`{gpu[0]}` from the reference run on NVIDIA H200" in text
 
 
 def test_readme_writes_both_blocks_between_their_markers_and_refuses_a_readme_without_them(monkeypatch):
