@@ -529,21 +529,32 @@ def top_ops(table, *, label: str | None = None, n: int = 10, value: str | None =
 
 def scaling_efficiency(df, *, label: str | None = None, x: str = "world_size", y: str = "images_per_s",
                        title: str = "Scaling with the number of processes") -> "plt.Figure":
-    """Throughput against the number of processes, with ideal linear scaling and efficiency labels."""
+    """Throughput against the number of processes, with ideal linear scaling and efficiency labels.
+
+    Where ``df`` has ``p10_ms``, ``p90_ms`` and ``global_batch``, each point gets the images/s range of its steps'
+    p10-p90 as a vertical bar. An ``efficiency label`` column (text, e.g. "76-88%") replaces the label drawn from
+    ``efficiency``."""
     set_style()
     df = df.sort_values(x)
     base = df[y].iloc[0] / df[x].iloc[0]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(df[x], df[x] * base, ls="--", color="C7", label="ideal (linear)")
-    ax.plot(df[x], df[y], marker="o", color="C0", label="measured")
+    spread = {"p10_ms", "p90_ms", "global_batch"} <= set(df.columns)
+    ax.plot(df[x], df[y], marker="o", color="C0", label="measured" + (": median step, bar: p10-p90 of the steps" if spread else ""))
+    if spread:  # a slower step is fewer images/s: the p90 step time is the bar's bottom
+        lo, hi = df["global_batch"] / (df["p90_ms"] / 1e3), df["global_batch"] / (df["p10_ms"] / 1e3)
+        ax.errorbar(df[x], df[y], yerr=[df[y] - lo, hi - df[y]], fmt="none", ecolor="C0", capsize=4, lw=1)
     # Efficiency labels: from the "efficiency" column when there is one (None there means the
     # comparison flagged the number as noise or a measurement problem: it is not drawn as a result).
     effs = df["efficiency"] if "efficiency" in df else (df[y] / (df[x] * base))
-    for n, v, e in zip(df[x], df[y], effs):
-        text = "n/a" if e is None or e != e else f"{100 * e:.0f}%"
+    words = df["efficiency label"] if "efficiency label" in df else [None] * len(df)
+    tops = (df["global_batch"] / (df["p10_ms"] / 1e3)) if spread else df[y]
+    for n, v, e, w in zip(df[x], tops, effs, words):
+        text = w if w else "n/a" if e is None or e != e else f"{100 * e:.0f}%"
         ax.annotate(text, (n, v), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
     ax.set_xticks(df[x].tolist())
-    ax.set_ylim(bottom=0)  # from zero: a shortfall of 12% should look like 12%
+    # from zero: a shortfall of 12% should look like 12%; room above the highest bar and ideal point for the labels
+    ax.set_ylim(0, 1.15 * max(float(tops.max()), float((df[x] * base).max())))
     # training processes, not DataLoader workers (07's "workers"); a one-process row launched without DDP says so
     single_plain = "backend" in df and str(df["backend"].iloc[0]) == "none" and df[x].iloc[0] == 1
     ax.set_xlabel("training processes (one per GPU, or CPU processes)"
@@ -592,22 +603,39 @@ def noise_schedule_figure(diffusion, *, label: str | None = None) -> "plt.Figure
     return _suptitle(fig, f"DDPM noise schedule (T = {diffusion.timesteps})", label, fontsize=9)
 
 
+# the palette's orange, vermillion and brown (C1, C3, C5) look alike as thin lines: the distinct hues come first
+_CURVE_HUES = [f"C{k}" for k in (0, 1, 2, 4, 7, 9, 3, 5, 6, 8)]
+_CURVE_STYLES = ["-", "--", "-.", ":"]
+
+
+def run_styles(names, fixed: dict[str, tuple[str, str]] | None = None) -> dict[str, tuple[str, str]]:
+    """(colour, line style) for each run in ``names``, as ``loss_curves`` draws them: ``fixed`` keeps a run's pair
+    from another figure (notebook 10 draws one run alike in two figures); the others take, in order, the pairs whose
+    colour no fixed run uses (``fixed`` may name runs that are not in ``names``: their colours count as taken too).
+    Without ``fixed``, the i-th run gets the i-th pair."""
+    fixed = {n: tuple(v) for n, v in (fixed or {}).items()}
+    taken = {c for c, _ in fixed.values()}
+    free = [(_CURVE_HUES[i % len(_CURVE_HUES)], _CURVE_STYLES[i % len(_CURVE_STYLES)]) for i in range(2 * len(_CURVE_HUES))]
+    free = iter([p for p in free if p[0] not in taken] or free)
+    return {n: fixed[n] if n in fixed else next(free) for n in names}
+
+
 def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None = None, smooth: int = 20,
-                title: str = "Training loss") -> "plt.Figure":
+                title: str = "Training loss", styles: dict[str, tuple[str, str]] | None = None) -> "plt.Figure":
     """Loss against step for one or more runs (raw, faint) with a centered moving average on top (a trailing one
     lags the raw curve by half its window: on the H100's 01 run the smoothed drop sat ~70 steps right of the data).
 
     A second legend under the axes (a figure legend, so the axes' own legend keeps one entry per run) says which line
     is which: "raw" and "centered moving average of N steps", N the window each curve was smoothed with (``smooth``,
-    at most a third of the curve's steps); where that is one step, the line is the raw values and the key says so."""
+    at most a third of the curve's steps); where that is one step, the line is the raw values and the key says so.
+
+    ``styles``: run name -> (colour, line style), to draw a run as another figure drew it (``run_styles``)."""
     import pandas as pd
     from matplotlib.lines import Line2D
 
     set_style()
     fig, ax = plt.subplots(figsize=(7, 4))
-    styles = ["-", "--", "-.", ":"]
-    # the palette's orange, vermillion and brown (C1, C3, C5) look alike as thin lines: the distinct hues come first
-    hues = [f"C{k}" for k in (0, 1, 2, 4, 7, 9, 3, 5, 6, 8)]
+    pairs = run_styles(list(curves), styles)
     drawn: dict[str, "pd.Series"] = {}
     windows: set[int] = set()
     for i, (name, points) in enumerate(curves.items()):
@@ -618,9 +646,10 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
         drawn[name] = s
         window = max(1, min(smooth, len(s) // 3 or 1))
         windows.add(window)
-        ax.plot(s.index, s.values, color=hues[i % len(hues)], alpha=0.25, lw=0.8)
-        ax.plot(s.index, s.rolling(window, min_periods=1, center=True).mean(), color=hues[i % len(hues)],
-                ls=styles[i % len(styles)],  # distinct styles: overlapping curves stay visible
+        color, ls = pairs[name]
+        ax.plot(s.index, s.values, color=color, alpha=0.25, lw=0.8)
+        ax.plot(s.index, s.rolling(window, min_periods=1, center=True).mean(), color=color,
+                ls=ls,  # distinct styles: overlapping curves stay visible
                 label=name if under is None else f"{name}, on top of {under.split(' (')[0]}")
     ax.set_xlabel("optimizer step")
     # the mean over pixels (the loss starts at E[eps^2] = 1), not the squared norm, which would start at 3072
@@ -657,27 +686,34 @@ def loss_curves(curves: dict[str, list[tuple[int, float]]], *, label: str | None
 
 def compile_breakeven(rows, *, label: str | None = None, steps: int | None = None,
                       title: str = "torch.compile: steady-state speed and when it pays off",
-                      comparison: Any = None, breakeven_words: dict[str, str] | None = None) -> "plt.Figure":
-    """Left: steady-state ms/step per variant with speedup over the first (eager). Right: total
-    time against the number of steps, first call (compilation) included, with break-even points.
+                      comparison: Any = None, breakeven_words: dict[str, str] | None = None,
+                      breakeven_ranges: dict[str, tuple[float, float]] | None = None) -> "plt.Figure":
+    """Left: steady-state ms/step per variant with speedup over the first (eager), and each step's p10-p90 range
+    where ``rows`` has p10_ms and p90_ms. Right: total time against the number of steps, first call (compilation)
+    included, with break-even points.
 
     ``rows``: a DataFrame with name, first_ms and median_ms (``Measurement.row()`` rows). The line is drawn from the
-    medians; ``breakeven_words`` (variant name -> e.g. "3,300 to 5,000") labels a variant's break-even with what its
-    timings allow instead of the medians' one point."""
+    medians, and a dotted line marks the medians' break-even; ``breakeven_words`` (variant name -> e.g. "3,300 to
+    5,000") labels a variant's break-even with what its timings allow instead of the medians' one point, and
+    ``breakeven_ranges`` (variant name -> (fewest, most) steps) shades that range and stretches the axis over it."""
     import numpy as np
 
     set_style()
     rows = rows.reset_index(drop=True)
     base = rows.iloc[0]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    bars = ax.barh(rows["name"], rows["median_ms"], color=[f"C{i}" for i in range(len(rows))])
+    spread = {"p10_ms", "p90_ms"} <= set(rows.columns)
+    bars = ax.barh(rows["name"], rows["median_ms"], color=[f"C{i}" for i in range(len(rows))],
+                   **({"xerr": [rows["median_ms"] - rows["p10_ms"], rows["p90_ms"] - rows["median_ms"]],
+                       "error_kw": {"capsize": 4, "lw": 1, "ecolor": "0.2"}} if spread else {}))
     ax.invert_yaxis()
-    for b, v, name in zip(bars, rows["median_ms"], rows["name"]):
-        ratio = _ratio_text(base["median_ms"] / v, name, base["name"], comparison)
-        ax.annotate(f"{v:.1f} ms ({ratio})", (b.get_width(), b.get_y() + b.get_height() / 2),
+    for b, v, name, hi in zip(bars, rows["median_ms"], rows["name"], rows["p90_ms"] if spread else rows["median_ms"]):
+        # one level of brackets: "143.0 ms (1.05x, a hint)", not "(1.05x (hint))"
+        ratio = _ratio_text(base["median_ms"] / v, name, base["name"], comparison).replace(" (hint)", ", a hint")
+        ax.annotate(f"{v:.1f} ms ({ratio})", (hi, b.get_y() + b.get_height() / 2),
                     xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
-    ax.set_xlim(0, rows["median_ms"].max() * 1.45)
-    ax.set_xlabel("ms per step (steady state)")
+    ax.set_xlim(0, (rows["p90_ms"] if spread else rows["median_ms"]).max() * 1.45)
+    ax.set_xlabel("ms per step (steady state)" + ("; bars: median, whiskers: p10-p90 of the timed steps" if spread else ""))
     def faster(r) -> bool:
         """A step measurably faster than the first row's: a lower median, and with ``comparison`` a stated
         speedup above 1 (a break-even drawn from medians inside the noise would be a point the text denies)."""
@@ -687,8 +723,13 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
 
     evens = {i: (r["first_ms"] - base["first_ms"]) / (base["median_ms"] - r["median_ms"])
              for i, r in rows.iloc[1:].iterrows() if faster(r)}
-    horizon = steps or int(max([50.0] + [2.0 * e for e in evens.values() if np.isfinite(e)]))
+    ranges = {r["name"]: (breakeven_ranges or {}).get(r["name"]) for i, r in rows.iterrows() if i in evens}
+    ranges = {k: v for k, v in ranges.items() if v is not None and np.isfinite(v[1])}
+    # the axis covers the range the label states (its upper end included), not only the medians' point
+    horizon = steps or int(max([50.0] + [2.0 * e for e in evens.values() if np.isfinite(e)]
+                               + [1.1 * hi for _, hi in ranges.values()]))
     n = np.linspace(0, horizon, 200)
+    said = []  # the break-even labels: written inside the axes, top left, one line each
     for i, r in rows.iterrows():
         e = evens.get(i)
         # said in the legend: written at the line's end, the note ran across the line itself
@@ -696,17 +737,21 @@ def compile_breakeven(rows, *, label: str | None = None, steps: int | None = Non
         ax2.plot(n, (r["first_ms"] + n * r["median_ms"]) / 1e3, color=f"C{i}",
                  label=r["name"] + (": no measurable speedup, no break-even stated" if unstated else ""))
         if e is not None and 0 < e <= horizon:
-            ax2.axvline(e, color=f"C{i}", ls=":", lw=1)
+            ax2.axvline(e, color=f"C{i}", ls=":", lw=1, label=f"{r['name']}: the medians' break-even, about {float(f'{e:.2g}'):,.0f} steps")
+            if r["name"] in ranges:  # the range of step counts the two steps' p10-p90 ranges allow
+                ax2.axvspan(*ranges[r["name"]], color=f"C{i}", alpha=0.12, lw=0,
+                            label=f"{r['name']}: the range the p10-p90 timings allow")
             hinted = comparison is not None and comparison.hint(r["name"], base["name"])  # a ratio stated as a hint
             words = (breakeven_words or {}).get(r["name"], f"{e:,.0f}")
-            ax2.annotate(f"pays off after {words} steps" + (" (a hint: few timed calls)" if hinted else ""),
-                         (e, (r["first_ms"] + e * r["median_ms"]) / 1e3),
-                         xytext=(4, -12), textcoords="offset points", fontsize=8, color=f"C{i}")
+            said.append((f"{r['name']} pays off after {words} steps" + (",\nif its speedup holds: a hint from few timed calls" if hinted else ""),
+                         f"C{i}"))
+    for k, (text, color) in enumerate(said):
+        ax2.text(0.02, 0.97 - 0.14 * k, text, transform=ax2.transAxes, ha="left", va="top", fontsize=8, color=color)
     ax2.set_xlabel("training steps")
     ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=5, integer=True))  # 5-digit counts ran together
     ax2.xaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
     ax2.set_ylabel("total time (s), compilation included")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=7, loc="best")
     return _checked(_suptitle(fig, title, label), comparison is not None)
 
 
@@ -947,8 +992,10 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
                       and word(name, names[i - 1]) is None)
             text = f"total {ratio(c, name, names[0])}\nstep {ratio(c / p, name, names[i - 1])}"
         color = "C7" if i == 0 or not stated else ("C2" if c >= p else "C3")
-        used.add(color)
-        ax.barh(i, c - p, left=p, color=color)
+        # a hint (a ratio from few timed calls, inside their spread) is not "measurably": drawn pale, keyed apart
+        hinted = bool(color != "C7" and comparison is not None and comparison.hint(name, names[i - 1]))
+        used.add((color, hinted))
+        ax.barh(i, c - p, left=p, color=color, alpha=0.4 if hinted else 1.0)
         ax.text(max(c, p), i, text, va="center", fontsize=7.5, linespacing=1.1,
                 transform=ax.transData + matplotlib.transforms.ScaledTranslation(4 / 72, 0, fig.dpi_scale_trans))
     ax.set_yticks(range(len(stages)), stages[x])
@@ -962,13 +1009,16 @@ def waterfall(stages, *, label: str | None = None, x: str = "stage", y: str = "i
     fig.tight_layout()
     # the key: what each colour says about the step (the bar's length) against the stage before
     said = "measurably" if comparison is not None else "by the medians"
-    key = [("C2", f"step {said} faster than the stage before"), ("C3", f"step {said} slower than the stage before"),
-           ("C7", "the baseline" + (", or no ratio stated for the step (within noise, noisy, too few repeats"
-                                    + (", or as its label says" if why is not None else "") + ")"
-                                    if comparison is not None else ""))]
+    key = [("C2", False, f"step {said} faster than the stage before"),
+           ("C2", True, "step faster than the stage before, a hint: few timed calls, inside their spread"),
+           ("C3", False, f"step {said} slower than the stage before"),
+           ("C3", True, "step slower than the stage before, a hint: few timed calls, inside their spread"),
+           ("C7", False, "the baseline" + (", or no ratio stated for the step (within noise, noisy, too few repeats"
+                                           + (", or as its label says" if why is not None else "") + ")"
+                                           if comparison is not None else ""))]
     from matplotlib.patches import Patch
 
-    legend_below(ax, handles=[Patch(color=c, label=t) for c, t in key if c in used],
+    legend_below(ax, handles=[Patch(color=c, alpha=0.4 if h else 1.0, label=t) for c, h, t in key if (c, h) in used],
                  fontsize=8, ncol=1)
     _labels_in_view(ax, (1.0,))  # the axis ends at the longest label, and no label runs across the baseline's line
     return _checked(fig, comparison is not None)
@@ -1293,8 +1343,18 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
                      textcoords="offset points", va="center", fontsize=8)
     top = tf.max()
     if ceiling is not None:
-        ax2.axvline(ceiling.tflops, color="C3", ls="--", lw=1.2,
-                    label=f"measured ceiling of our step ({ceiling.precision}"
+        # the ceiling is our network's: drawn across our rows only (a run of adjacent rows per segment), never across a
+        # peer's row, whose table cell says "n/a (other network)"
+        ours = [i for i, v in enumerate(table["variant"].astype(str)) if v.startswith("ours")] or list(range(len(table)))
+        runs = [[ours[0], ours[0]]]
+        for i in ours[1:]:
+            if i == runs[-1][1] + 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+        for k, (lo, hi) in enumerate(runs):
+            ax2.plot([ceiling.tflops] * 2, [lo - 0.45, hi + 0.45], color="C3", ls="--", lw=1.2, scaley=False,
+                     label=None if k else f"measured ceiling of our step, our rows only ({ceiling.precision}"
                           f"{', channels_last' if ceiling.channels_last else ''}, batch {ceiling.batch_size}): "
                           f"{ceiling.tflops:.3g} TFLOP/s" + (f", rough: timed {ceiling.how_noisy}" if ceiling.noisy else ""))
         top = max(top, ceiling.tflops)
@@ -1316,6 +1376,11 @@ def peers_figure(table, *, ceiling=None, label: str | None = None,
     # each panel as wide as its longest label ("30 · no measurable difference" ran past the frame), no label under a line
     _labels_in_view(ax1)
     _labels_in_view(ax2, tuple(line.get_xdata()[0] for line in ax2.get_lines()))
+    # a label moved right of a line sits away from its bar's end: a thin leader ties it to its bar (as ceiling_figure)
+    for b, t in zip(bars, ax2.texts):
+        if t.xy[0] > b.get_width() * (1 + 1e-9) + 1e-12:
+            y = b.get_y() + b.get_height() / 2
+            ax2.plot([b.get_width(), t.xy[0]], [y, y], color="0.45", lw=0.6, zorder=4, scalex=False, scaley=False, gid="leader")
     return fig
 
 
@@ -1345,6 +1410,12 @@ def ceiling_figure(c, *, top: int = 12, label: str | None = None,
     # a label a reference line would run through (a line stopped at an opaque label still read as struck through)
     # sits right of that line, and the axis ends where the longest label does
     _labels_in_view(ax, tuple(x for x, *_ in lines))
+    # a label moved right of a line sits away from its bar's end: a thin leader from the bar's end to the label ties
+    # the two together, so that no value reads as the neighbouring bar's
+    leaders = [(b.get_width(), t.xy[0], b.get_y() + b.get_height() / 2) for b, t in zip(bars, ax.texts)
+               if t.xy[0] > b.get_width() * (1 + 1e-9) + 1e-12]
+    for x0, x1, y in leaders:
+        ax.plot([x0, x1], [y, y], color="0.45", lw=0.6, ls="-", zorder=4, scalex=False, scaley=False, gid="leader")
     if c.noisy:  # the bars' digits say more than the timings hold: the figure says so where it is seen without the text
         mark_caveat(fig, f"Timed {c.how_noisy}, so read these rates as rough: " + "; ".join(c.noise_reasons) + ".")
     return fig

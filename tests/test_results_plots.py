@@ -437,6 +437,21 @@ def test_the_waterfall_has_a_key_for_its_colours_and_a_word_can_replace_a_stated
     plots.plt.close(fig)
 
 
+def test_the_waterfall_draws_a_hinted_step_pale_and_keys_it_apart_from_a_measurable_one():
+    """09's waterfall drew "+ fused Adam: step 1.02x (hint)" in the green its key called "measurably faster"."""
+    quiet = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={})
+    ms = [_spread("base", 200.0, 195, 205), _spread("+ a", 100.0, 98, 102), _spread("+ d", 94.0, 90.0, 96.0)]
+    cmp = bench.Comparison(ms, quiet)
+    assert cmp.hint("+ d", "+ a") and not cmp.hint("+ a", "base")
+    rows = pd.DataFrame({"stage": [m.name for m in ms], "images_per_s": [m.images_per_s for m in ms]})
+    fig = plots.waterfall(rows, label="t", comparison=cmp)
+    bars = fig.axes[0].patches
+    assert [b.get_alpha() for b in bars] == [1.0, 1.0, 0.4]
+    key = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert key[0].startswith("step measurably faster") and key[1].startswith("step faster than the stage before, a hint")
+    plots.plt.close(fig)
+
+
 def test_the_peers_figure_prints_enough_digits_to_tell_distinct_ratios_apart():
     """09b's bars read "38 · 1.00x" and "38 · 1.02x (a hint)" for 37.5 and 38.2 img/s."""
     assert [plots._significant(v) for v in (37.5, 38.2, 1234.0, 0.01234, 5.0)] == ["37.5", "38.2", "1,234", "0.0123", "5.00"]
@@ -457,7 +472,8 @@ def test_bar_labels_stay_inside_the_axes_and_off_the_reference_lines():
         ax.figure.canvas.draw()
         r = ax.figure.canvas.get_renderer()
         frame = ax.get_window_extent(r)
-        lines = [ax.transData.transform((line.get_xdata()[0], 0))[0] for line in ax.get_lines()]
+        lines = [ax.transData.transform((line.get_xdata()[0], 0))[0] for line in ax.get_lines()
+                 if line.get_gid() != "leader"]  # a leader runs along its own row to its label, by design
         for t in ax.texts:
             box = t.get_window_extent(r)
             assert box.x1 <= frame.x1, f"{t.get_text()!r} runs past the frame"
@@ -486,6 +502,76 @@ def test_bar_labels_stay_inside_the_axes_and_off_the_reference_lines():
     assert right.get_window_extent(r).x0 - left_end < 0.05 * fig.bbox.width
     legend = right.get_legend()
     assert legend.get_in_layout() and fig.get_tightbbox(r).y0 <= legend.get_tightbbox(r).y0 / fig.dpi  # saved with it
+
+
+def test_a_ceiling_label_moved_past_a_line_is_tied_to_its_bar_by_a_leader():
+    """09b's ceiling figure moved the labels of short bars past the matmul line, far from their bars, with nothing
+    to say which bar each belonged to."""
+    from ddpm_core import ceiling
+
+    shapes = pd.DataFrame({"shape": ["a", "b", "c"], "count": [1, 1, 1], "GFLOP": [1.0] * 3, "ms": [1.0] * 3,
+                           "spread": [0.0] * 3, "TFLOP/s": [0.305, 0.0794, 0.02], "share of conv time": [0.5, 0.3, 0.2]})
+    c = ceiling.Ceiling(device_name="CPU", label="t", model="m", precision="fp32", batch_size=4, channels_last=True,
+                        shapes=shapes, conv_flops=int(0.1e12 * 0.01), conv_ms=10.0, matmul_n=256, matmul_tflops=0.24,
+                        step_flops=int(0.1e12 * 0.012), datasheet=None)
+    ax = plots.ceiling_figure(c, label="t").axes[0]
+    leaders = [line for line in ax.get_lines() if line.get_gid() == "leader"]
+    bars = {round(b.get_width(), 6): b for b in ax.patches}
+    moved = [t for t in ax.texts if t.xy[0] > bars[round(float(t.get_text().split()[0]), 4)].get_width() + 1e-9]
+    assert moved, "the short bars' labels should sit past the lines"
+    for t in moved:  # each moved label: one leader on its own row, from its bar's end to the label
+        bar = bars[round(float(t.get_text().split()[0]), 4)]
+        y = bar.get_y() + bar.get_height() / 2
+        assert any(list(line.get_xdata()) == [bar.get_width(), t.xy[0]] and list(line.get_ydata()) == [y, y]
+                   for line in leaders), t.get_text()
+    assert len(leaders) == len(moved)  # a label beside its bar needs none
+    plots.plt.close(ax.figure)
+
+
+def test_the_peers_ceiling_line_runs_across_our_rows_only():
+    """09b's dashed "measured ceiling of our step" crossed the diffusers and lucidrains rows, whose table cells say
+    n/a (another network)."""
+    from ddpm_core import ceiling
+
+    shapes = pd.DataFrame({"shape": ["a"], "count": [1], "GFLOP": [1.0], "ms": [1.0], "spread": [0.0],
+                           "TFLOP/s": [0.07], "share of conv time": [1.0]})
+    c = ceiling.Ceiling(device_name="CPU", label="t", model="m", precision="fp32", batch_size=4, channels_last=False,
+                        shapes=shapes, conv_flops=int(0.07e12 * 0.01), conv_ms=10.0, matmul_n=256, matmul_tflops=0.07,
+                        step_flops=int(0.07e12 * 0.012), datasheet=None)
+    table = pd.DataFrame({"variant": ["ours (baseline)", "ours (fast)", "diffusers", "lucidrains", "ours (fast, batch 8)"],
+                          "batch": [4, 4, 4, 4, 8], "img/s": [27.0, 30.0, 20.0, 22.0, 33.0],
+                          "speedup": ["1.00x (baseline)", "1.11x", "0.74x", "n/a", "1.22x"],
+                          "TFLOP/s": [0.046, 0.05, 0.04, 0.066, 0.055]})
+    ax = plots.peers_figure(table, ceiling=c, label="t").axes[1]
+    segments = [sorted(line.get_ydata()) for line in ax.get_lines() if line.get_xdata()[0] == c.tflops]
+    assert segments == [[-0.45, 1.45], [3.55, 4.45]]  # rows 0-1 and row 4; rows 2 and 3 (the peers) left clear
+    assert "our rows only" in " ".join(t.get_text() for t in ax.get_legend().get_texts())
+    # lucidrains' label (0.066) sits right of the ceiling line, away from its bar: a leader ties the two
+    leaders = [line for line in ax.get_lines() if line.get_gid() == "leader"]
+    assert any(list(line.get_xdata())[0] == 0.066 and list(line.get_ydata()) == [3.0, 3.0] for line in leaders)
+    plots.plt.close(ax.figure)
+
+
+def test_a_run_keeps_its_colour_and_line_style_across_two_loss_figures():
+    """10 drew sgd at lr 0.05 blue and solid in one figure, orange and dashed in Exercise 1's."""
+    first = {"sgd (lr 0.05)": [(1, 1.0), (2, 0.9)], "adam (lr 0.001)": [(1, 1.0), (2, 0.8)]}
+    styles = plots.run_styles(list(first))
+    fig = plots.loss_curves(first, label="t", smooth=1, styles=styles)
+    drawn = {line.get_label(): (line.get_color(), line.get_linestyle()) for line in fig.axes[0].get_lines()
+             if not line.get_label().startswith("_")}
+    assert drawn["sgd (lr 0.05)"] == (styles["sgd (lr 0.05)"][0], "-")
+    second = {"sgd, lr 0.01": [(1, 1.0), (2, 0.95)], "sgd, lr 0.05": first["sgd (lr 0.05)"],
+              "adam, lr 0.001": first["adam (lr 0.001)"]}
+    fixed = {"sgd, lr 0.05": styles["sgd (lr 0.05)"], "adam, lr 0.001": styles["adam (lr 0.001)"]}
+    again = plots.run_styles(list(second), fixed)
+    assert again["sgd, lr 0.05"] == styles["sgd (lr 0.05)"] and again["adam, lr 0.001"] == styles["adam (lr 0.001)"]
+    assert again["sgd, lr 0.01"][0] not in {c for c, _ in fixed.values()}  # a new run: a colour of its own
+    fig2 = plots.loss_curves(second, label="t", smooth=1, styles=fixed)
+    drawn2 = {line.get_label(): line.get_color() for line in fig2.axes[0].get_lines() if not line.get_label().startswith("_")}
+    assert drawn2["sgd, lr 0.05"] == drawn["sgd (lr 0.05)"][0]
+    assert plots.run_styles(["a", "b"]) == {"a": ("C0", "-"), "b": ("C1", "--")}  # without fixed: as before
+    plots.plt.close(fig)
+    plots.plt.close(fig2)
 
 
 def test_the_sdpa_figure_labels_each_pair_as_its_comparison_does():
@@ -616,4 +702,34 @@ def test_epoch_time_figure_shows_each_point_s_spread_and_which_launch_ran_withou
     assert len(ax.collections) == 4 and len(ax.lines) == 2  # one p10-p90 bar per point, one line per curve
     lo, hi = ax.collections[0].get_segments()[0][:, 1]
     assert lo < 50_000 * 0.100 / 4 < hi  # the 1-process point at batch 4: its median step, 100 ms, inside its bar
+    plots.plt.close(fig)
+
+
+def test_the_break_even_figure_covers_the_range_it_states_and_draws_the_spread():
+    """04's label said 'pays off after 2,900 to 46,000 steps' on an axis that stopped near 23,000, ran past the
+    axes' edge, and its bars had no p10-p90 although the verdict rests on them."""
+    quiet = bench.Noise(cores=2, load_1min=0.0, other_cpu_share=0.0, spreads={})
+    cmp = bench.Comparison([_spread("eager", 178.0, 170, 190), _spread("compiled", 100.0, 98, 102)], quiet)
+    rows = pd.DataFrame([{**m.row(), "first_ms": f} for m, f in zip(cmp.measurements, (500.0, 90_000.0))])
+    fig = plots.compile_breakeven(rows, label="t", comparison=cmp, breakeven_words={"compiled": "1,000 to 9,000"},
+                                  breakeven_ranges={"compiled": (1_000.0, 9_000.0)})
+    ax, ax2 = fig.axes[:2]
+    assert ax2.get_xlim()[1] >= 9_000  # the upper end of the stated range is on the chart
+    said = [t for t in ax2.texts if "pays off after 1,000 to 9,000 steps" in t.get_text()]
+    assert said and all(t.get_transform() == ax2.transAxes for t in said)  # placed inside the axes
+    legend = [t.get_text() for t in ax2.get_legend().get_texts()]
+    assert any("medians' break-even" in t for t in legend) and any("p10-p90" in t for t in legend)
+    assert ax.containers and any(getattr(c, "has_xerr", False) for c in ax.containers)  # p10-p90 whiskers
+    assert not any("(hint))" in t.get_text() for t in ax.texts)  # one level of brackets
+    plots.plt.close("all")
+
+
+def test_the_scaling_figure_draws_each_point_s_spread_and_a_given_label():
+    scaling = pd.DataFrame({"world_size": [1, 2], "images_per_s": [36.7, 65.8], "global_batch": [8, 16],
+                            "p10_ms": [215.0, 228.4], "p90_ms": [259.6, 282.3], "backend": ["none", "gloo"],
+                            "efficiency": [1.0, None], "efficiency label": ["baseline", "n/a: ranges overlap"]})
+    fig = plots.scaling_efficiency(scaling, label="test")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.texts] == ["baseline", "n/a: ranges overlap"]
+    assert any(len(c.lines) > 2 and c.lines[2] for c in ax.containers)  # an errorbar container: the p10-p90 bars
     plots.plt.close(fig)
