@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import subprocess
 import sys
 import tarfile
@@ -31,8 +30,8 @@ from .text import plural
 SOLUTION_TAG = "solution"
 
 
-def strip_solutions(notebook: Path, out: Path) -> tuple[Path, int]:
-    """Write ``notebook`` to ``out`` without its ``solution`` cells and without outputs.
+def strip_solutions(notebook: Path, out: Path, clear_outputs: bool = True) -> tuple[Path, int]:
+    """Write ``notebook`` to ``out`` without its ``solution`` cells and (``clear_outputs``) without outputs.
 
     Returns (the written path, the number of cells removed).
     """
@@ -46,7 +45,8 @@ def strip_solutions(notebook: Path, out: Path) -> tuple[Path, int]:
     cfg.TagRemovePreprocessor.remove_cell_tags = {SOLUTION_TAG}
     cfg.TagRemovePreprocessor.enabled = True
     book, _ = TagRemovePreprocessor(config=cfg).preprocess(book, {})
-    book, _ = ClearOutputPreprocessor().preprocess(book, {})
+    if clear_outputs:
+        book, _ = ClearOutputPreprocessor().preprocess(book, {})
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(book, out)
     return out, before - len(book.cells)
@@ -56,17 +56,6 @@ def strip_solutions(notebook: Path, out: Path) -> tuple[Path, int]:
 NOT_IN_STUDENT_REPO = ("tests/", ".ci/")
 STUDENT_NOTE = ("> **Students' edition.** The notebooks here have no worked solutions: your instructor made this copy "
                 "with `python -m ddpm_core.student --repo`. The rest of this README describes the full series.\n\n")
-
-
-def _drop_solution_cells(path: Path) -> int:
-    """Remove the ``solution`` cells of an executed notebook in place, keeping the other cells' outputs."""
-    book = json.loads(path.read_text())
-    keep = [c for c in book["cells"] if SOLUTION_TAG not in c.get("metadata", {}).get("tags", [])]
-    removed = len(book["cells"]) - len(keep)
-    if removed:
-        book["cells"] = keep
-        path.write_text(json.dumps(book, indent=1, ensure_ascii=False) + "\n")
-    return removed
 
 
 def student_repo(dest: Path, url: str | None = None, repo: Path = REPO_ROOT) -> dict[str, int]:
@@ -93,7 +82,7 @@ def student_repo(dest: Path, url: str | None = None, repo: Path = REPO_ROOT) -> 
     for nb in notebooks:
         counts["solution cells"] += strip_solutions(nb, nb)[1]
     for nb in sorted((dest / "data" / "reference").glob("*/notebooks/*.ipynb")):
-        counts["reference solution cells"] += _drop_solution_cells(nb)
+        counts["reference solution cells"] += strip_solutions(nb, nb, clear_outputs=False)[1]  # their outputs stay
     if url is not None:
         hosted.set_url(url, notebooks)
     readme = dest / "README.md"

@@ -159,6 +159,8 @@ def test_the_students_edition_is_the_committed_tree_without_any_solution(tmp_pat
         cells = nbformat.read(nb, 4).cells
         assert not [c for c in cells if student.SOLUTION_TAG in c.metadata.get("tags", [])], nb
         assert "## Exercises" in "".join(c.source for c in cells if c.cell_type == "markdown") or "reference" in nb.parts
+    for nb in sorted((dest / "data" / "reference").glob("*/notebooks/*.ipynb")):  # the reference runs keep their outputs
+        assert any(c.get("outputs") for c in nbformat.read(nb, 4).cells if c.cell_type == "code"), nb
     for nb in sorted((dest / "notebooks").glob("*.ipynb")):
         assert hosted.cells(nbformat.read(nb, 4))[0].source == hosted.cell_source(url)
     assert (dest / "README.md").read_text().startswith(student.STUDENT_NOTE)
