@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .paths import REPO_ROOT, committed_figures_dir, figures_dir
+from .text import plural
 
 REFERENCE_DIR = REPO_ROOT / "data" / "reference"
 # one device command is at most 10 minutes; keep 2 in hand. A detached run (scripts/gpu_call.sh --detach) outlives
@@ -121,7 +122,8 @@ PART_ESTIMATE_S = {"meta": 1, "gpu-tests": 150, "gpu-tests-slow": 280, "gpu-test
                    "nb-09": 300, "nb-09b": 560, "nb-10": 300, "pack": 10}
 # When a full run must end, in seconds since the epoch (scripts/gpu_call.sh sets it from its deadline): a part whose
 # estimate does not fit the time left is not started, and a shorter one after it may be. A part cut off by the deadline
-# is lost work (it is redone from its start), so on a machine lent for minutes, starting one that cannot end wastes them.
+# is redone from its start (only the rows and executed copy it had written are kept), so on a machine lent for minutes,
+# starting one that cannot end wastes them.
 DEADLINE_ENV = "DDPM_RUN_DEADLINE"
 SELF_ENV = "DDPM_REFERENCE_SELF"  # set while the reference run executes the notebooks
 IS_REFERENCE = "This executed copy is the reference run itself"  # how self_line() begins, whatever the machine
@@ -182,6 +184,19 @@ def notebook_seconds(folder: Path, notebook: str) -> float | None:
     for part in status.values():
         if isinstance(part, dict) and notebook in part.get("notebooks", {}):
             return float(part["notebooks"][notebook])
+    return None
+
+
+def cut_off_seconds(folder: Path, notebook: str) -> float | None:
+    """How long ``notebook`` had run when the reference run in ``folder`` cut it off at its deadline (parts.json:
+    an interrupted part's ``cut_in``), or None where it was not cut off."""
+    try:
+        status = json.loads((Path(folder) / "parts.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in status.values():
+        if isinstance(part, dict) and part.get("status") == "interrupted" and part.get("cut_in") == notebook:
+            return float(part.get("cut_after_s") or 0)
     return None
 
 
@@ -298,13 +313,17 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
         m = meta(folder)
         ref_label = label(folder)
         mode = " in smoke mode (a stand-in made without a GPU)" if m.get("mode") == "smoke" else ""
+        cut = cut_off_seconds(folder, notebook) if notebook_seconds(folder, notebook) is None else None
         display(Markdown(
             f"### On {device_words(m, folder)} (reference run, not this machine)\n\n"
             f"Everything above this heading was measured on this machine. Everything below comes from the "
             f"reference run{mode} ({ref_label.removeprefix('reference: ')}), git commit `{str(m.get('git_commit') or '?')[:10]}`, "
             f"committed in `data/reference/{folder.name}/`."
             + (f" This notebook ran for **{secs / 60:.1f} min** there{mode or ' in full mode'}."
-               if (secs := notebook_seconds(folder, notebook)) is not None else "")))
+               if (secs := notebook_seconds(folder, notebook)) is not None else "")
+            + (f" That run's deadline **cut this notebook off after {cut / 60:.1f} min**: the rows below are those of "
+               "the sections it finished, and its executed copy there ends where it was cut; a later GPU session "
+               "runs it again." if cut is not None else "")))
         rows = results(folder, notebook)
         if len(rows):
             display(_result_table(rows))
@@ -358,6 +377,8 @@ def _not_reached(folder: Path, notebook: str) -> str | None:
     done: ...)", "left this notebook out: <reason>"), or None where it ran it (or keeps no parts.json: a whole run)."""
     if notebook_seconds(folder, notebook) is not None or not (folder / "parts.json").exists():
         return None
+    if cut_off_seconds(folder, notebook) is not None and len(results(folder, notebook)):
+        return None  # cut off at the run's deadline after some of its sections: show shows what they measured
     prefix = notebook.split("_")[0]
     parts = json.loads((folder / "parts.json").read_text())
     done = [p for p, v in parts.items() if isinstance(v, dict) and v.get("status") == "done"]
@@ -644,6 +665,14 @@ def status_markdown(root: Path | None = None) -> str:
         for part in PARTS:
             if isinstance(v := status.get(part), dict) and v.get("status") == "skipped":
                 lines += ["", f"{part} skipped: {v.get('reason', '?')}."]
+            elif isinstance(v, dict) and v.get("status") == "interrupted" and v.get("cut_in"):
+                est, _ = part_estimate_s(part, root)
+                rows = len(results(folder, v["cut_in"]))
+                lines += ["", f"{part} was cut off by its run's deadline after {v['seconds']:.0f} s, "
+                          f"{v.get('cut_after_s', 0):.0f} s into {v['cut_in']}: "
+                          + (f"kept, {plural(rows, 'result row')} from the sections it finished"
+                             if rows else "none of its sections had written a result row")
+                          + f"; a later run starts it again only where more than {est:.0f} s are left."]
             elif isinstance(v, dict) and v.get("status") == "failed":  # why, without the GPU machine's scratch path
                 why = str(v.get("error", "?")).split("; see ")[0]
                 log = next((f for p, (_, f) in GPU_TEST_PARTS.items() if p == part and (folder / f).exists()), None)
@@ -963,9 +992,13 @@ def _part_notebooks(out: Path, smoke: bool, prefixes: list[str], only: Sequence[
             print(f"  {nb.name} ...", flush=True)
             # rows of an earlier try of this notebook (failed, killed or --force) must not count twice
             (out / WORK / "results" / f"{nb.stem}.csv").unlink(missing_ok=True)
+            started = time.perf_counter()
             try:
                 run = run_notebook(nb, out / "notebooks", smoke=smoke, figures=out / "figures",
                                    timeout=max(PART_BUDGET_S, SMOKE_CELL_TIMEOUT_S) if smoke else PART_BUDGET_S)
+            except KeyboardInterrupt as e:  # the deadline: what ended, and where and when it was cut (run's interrupted)
+                e.notebooks, e.cut = dict(seconds), (nb.stem, round(time.perf_counter() - started, 1))
+                raise
             except NotebookFailed as e:
                 if not keep_going:
                     raise
@@ -1368,11 +1401,22 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         status[part] = {"status": "running", "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         status_path.write_text(json.dumps(status, indent=1))  # a command killed here leaves "running": redone next time
 
-    def interrupted(part: str, seconds: float) -> None:
+    def interrupted(part: str, seconds: float, cut: BaseException | None = None) -> None:
         status[part] = {"status": "interrupted", "seconds": round(seconds, 1)}
+        if part in NOTEBOOK_PARTS:
+            # What the part finished stays: the notebooks that ended (their seconds), and of the one cut off its
+            # executed copy so far (papermill saves it as cells end) and the rows its finished sections appended
+            if getattr(cut, "notebooks", None):
+                status[part]["notebooks"] = cut.notebooks
+            if getattr(cut, "cut", None):
+                status[part]["cut_in"], status[part]["cut_after_s"] = cut.cut
+            try:
+                status[part].update(collect(out, [nb.stem for nb in _chosen(NOTEBOOK_PARTS[part], notebooks)]))
+            except Exception as e:  # noqa: BLE001 - the interrupt goes on; what was packed before stays
+                print(f"[{part}] its rows could not be collected: {type(e).__name__}: {e}", flush=True)
         status_path.write_text(json.dumps(status, indent=1))
         print(f"[{part}] INTERRUPTED after {status[part]['seconds']:.0f} s: packing what it wrote", flush=True)
-        _archive_to(out, archive_to, chain)  # the executed notebook so far (papermill saves it as cells end)
+        _archive_to(out, archive_to, chain)
 
     def finished(part: str, seconds: float, detail: dict | None = None, error: BaseException | None = None) -> None:
         nonlocal total
@@ -1446,8 +1490,8 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
         start = time.perf_counter()
         try:
             detail = actions[part]() or {}
-        except KeyboardInterrupt:  # the deadline's SIGINT (scripts/gpu_call.sh) or Ctrl+C: keep what it shows
-            interrupted(part, time.perf_counter() - start)
+        except KeyboardInterrupt as e:  # the deadline's SIGINT (scripts/gpu_call.sh) or Ctrl+C: keep what it shows
+            interrupted(part, time.perf_counter() - start, e)
             raise
         except Exception as e:
             finished(part, time.perf_counter() - start, error=e)
@@ -1465,11 +1509,18 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     return out
 
 
+CUT_MARGIN_S = 60  # a part cut off after t seconds is expected to need at least t + this
+
+
 def part_estimate_s(part: str, root: Path | None = None) -> tuple[float, str]:
     """How long ``part`` takes in full mode, and where that figure comes from: the longest time a committed full
     reference measured for it (any GPU's folder under ``root``, by default the reference folder), else
-    ``PART_ESTIMATE_S``."""
-    measured = []
+    ``PART_ESTIMATE_S``.
+
+    A run that cut the part off (status "interrupted") bounds it from below: it needed more than the seconds it ran,
+    so the estimate is at least those plus ``CUT_MARGIN_S``. Otherwise a part longer than a session's window would be
+    started, and cut off, in every session after it, each time spending the whole window on the same half run."""
+    measured, cut = [], []
     for folder in reference_runs(root):
         try:
             if meta(folder).get("mode") != "full":
@@ -1477,12 +1528,16 @@ def part_estimate_s(part: str, root: Path | None = None) -> tuple[float, str]:
             v = json.loads((folder / "parts.json").read_text()).get(part)
         except (OSError, ValueError):
             continue
-        if isinstance(v, dict) and v.get("status") == "done" and "seconds" in v:
-            measured.append((float(v["seconds"]), folder.name))
+        if isinstance(v, dict) and "seconds" in v and v.get("status") in ("done", "interrupted"):
+            (measured if v["status"] == "done" else cut).append((float(v["seconds"]), folder.name))
     if measured:
         secs, where = max(measured)
         return secs, f"measured in {where}"
-    return float(PART_ESTIMATE_S.get(part, 0)), "estimated from the code"
+    est, source = float(PART_ESTIMATE_S.get(part, 0)), "estimated from the code"
+    if cut and max(cut)[0] + CUT_MARGIN_S > est:
+        secs, where = max(cut)
+        est, source = secs + CUT_MARGIN_S, f"cut off after {secs:.0f} s in {where}: it needs more"
+    return est, source
 
 
 def _skip_reason(part: str, smoke: bool) -> str | None:

@@ -646,6 +646,69 @@ def test_an_interrupted_part_is_recorded_and_packed_before_the_interrupt_goes_on
         assert "ref/notebooks/04_torch_compile.ipynb" in tar.getnames()
 
 
+def test_a_part_cut_off_by_the_deadline_keeps_what_it_finished_and_is_not_started_again_in_a_window_too_short(
+        tmp_path, monkeypatch):
+    """A deadline's SIGINT in the middle of a part's second notebook: the first notebook's time, the rows the cut one's
+    finished sections wrote, and where it was cut are recorded, and the notebook's block and the README's table show
+    them. The time it ran bounds its estimate from below, so a later run in a window as short does not spend the
+    window on the same half run again (09b's length on a GPU is only estimated)."""
+    from types import SimpleNamespace
+
+    def run_notebook(nb, out_dir, **kw):
+        scratch = out / reference.WORK / "results"
+        scratch.mkdir(parents=True, exist_ok=True)
+        _rows(nb.stem, [f"{nb.stem} section 1"]).to_csv(scratch / f"{nb.stem}.csv", index=False)
+        if nb.stem.startswith("06"):
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / nb.name).write_text("{}")  # what papermill saved so far
+            raise KeyboardInterrupt
+        return SimpleNamespace(seconds=12.0)
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(getattr(obj, "data", obj)))
+    monkeypatch.setattr(series, "run_notebook", run_notebook)
+    monkeypatch.setattr(reference, "_part_meta", lambda out, smoke: (out / "meta.json").write_text(json.dumps(
+        {"device_name": "NVIDIA H200", "mode": "full", "date": "2026-12-01"})) and None)
+    monkeypatch.setenv("DDPM_REFERENCE_DIR", str(tmp_path))
+    out, dest = tmp_path / "h200", tmp_path / "OUT"
+    with pytest.raises(KeyboardInterrupt):
+        reference.run(out, smoke=False, parts=["nb-05-06", "nb-07"], archive_to=dest)
+    status = json.loads((out / "parts.json").read_text())
+    part = status["nb-05-06"]
+    assert part["status"] == "interrupted" and "nb-07" not in status
+    assert part["notebooks"] == {"05_sdpa_attention": 12.0} and part["cut_in"] == "06_mixed_precision"
+    assert part["results_rows"] == 2
+    assert sorted(pd.read_csv(out / "results.csv")["variant"]) == ["05_sdpa_attention section 1",
+                                                                   "06_mixed_precision section 1"]
+    with tarfile.open(dest / "h200.tar.gz") as tar:
+        assert {"h200/results.csv", "h200/notebooks/06_mixed_precision.ipynb"} <= set(tar.getnames())
+
+    # the estimate: a short cut leaves the code's estimate; one after 700 s makes it at least 760 s
+    assert reference.part_estimate_s("nb-05-06") == (reference.PART_ESTIMATE_S["nb-05-06"], "estimated from the code")
+    (out / "parts.json").write_text(json.dumps({**status, "nb-05-06": {**part, "seconds": 700.0, "cut_after_s": 688.0}}))
+    assert reference.part_estimate_s("nb-05-06") == (760.0, "cut off after 700 s in h200: it needs more")
+    assert "nb-05-06 was cut off by its run's deadline after 700 s, 688 s into 06_mixed_precision: kept, 1 result row " \
+           "from the sections it finished; a later run starts it again only where more than 760 s are left." \
+           in reference.status_markdown(tmp_path)
+
+    # the notebooks' blocks: 05 ran whole; 06 shows the rows of the sections it finished, and says it was cut off
+    reference.show("05_sdpa_attention", figures=[])
+    text = " ".join(map(str, shown))
+    assert "ran for **0.2 min**" in text and "cut this notebook off" not in text
+    shown.clear()
+    reference.show("06_mixed_precision", figures=[])
+    text = " ".join(map(str, shown))
+    assert "cut this notebook off after 11.5 min" in text and "06_mixed_precision section 1" in text
+    assert "has not reached" not in text
+
+    # a later run whose window is shorter than that bound starts nb-07 (its estimate fits) and not nb-05-06
+    monkeypatch.setattr(series, "run_notebook", lambda nb, out_dir, **kw: SimpleNamespace(seconds=1.0))
+    monkeypatch.setenv(reference.DEADLINE_ENV, str(time.time() + 700))
+    reference.run(out, smoke=False, parts=["next"])
+    status = json.loads((out / "parts.json").read_text())
+    assert status["nb-05-06"]["status"] == "interrupted" and status["nb-07"]["status"] == "done"
+
+
 @pytest.mark.slow
 def test_gpu_call_shakedown_goes_on_past_a_failing_notebook_and_returns_the_executed_notebooks(tmp_path):
     """The shakedown (smoke mode, past failures) on this machine, with notebooks 00 and 01 broken on purpose: 00
