@@ -871,6 +871,67 @@ def short_name(name: str, width: int = 48) -> str:
     return name[:head] + "..." + name[-(width - 3 - head):]
 
 
+# Tokens of cuDNN / cuBLAS / CUTLASS kernel names that say how a kernel is tiled, not what it computes
+_KERNEL_NOISE = re.compile(r"_(?:tilesize|warpgroupsize|warpsize|stage|align[a-z]?|cga|knob_)[0-9x]*\d(?=_|>|$)"
+                           r"|_g1(?=_)|_execute(?:_segment_k_o(?:n|ff)|_split_k)?(?=_)|_kernel(?=__\dx_)")
+
+
+def _params_cut(name: str) -> str:
+    """``name`` without ``void `` and its trailing parameter list: "void f<float>(float*, int)" -> "f<float>"."""
+    name = name.removeprefix("void ")
+    if not name.endswith(")"):
+        return name
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0:
+            return name[:i] if i else name
+    return name
+
+
+def name_dtype(name: str) -> str | None:
+    """The data type a GPU kernel's name says it computes in ("bf16", "fp16", "tf32", "fp32"), or None: cuDNN and
+    cuBLAS put it in the name ("..._bf16bf16_bf16f32_...", "..._ffma_...", "sgemm"), and so do templates ("<float")."""
+    n = str(name).lower()
+    if "bf16" in n or "bfloat16" in n:
+        return "bf16"
+    if re.search(r"(?<![a-z0-9])(?:f16|fp16|half|__half|h884|h1688|h16816)|_f16", n):
+        return "fp16"
+    if "tf32" in n:
+        return "tf32"
+    if re.search(r"f32|ffma|sgemm|<float\b", n):
+        return "fp32"
+    return None
+
+
+def kernel_label(name: str, width: int = 48) -> str:
+    """A kernel or operator name shortened to ``width`` characters for a figure's labels, keeping what a reader
+    compares: the tiling tokens of cuDNN's and cuBLAS' names and C++ parameter lists go first, then the middle is cut
+    (``short_name``); where that cut removed the data type the name states, it is added as " [bf16]" (notebook 09 asks
+    the reader to find fp32 convolution kernels replaced by bf16 ones, and the cut took exactly that part)."""
+    name = str(name)
+    if len(name) <= width:
+        return name
+    short = _KERNEL_NOISE.sub("", _params_cut(name))
+    if len(short) <= width:
+        return short
+    label, dtype = short_name(short, width), name_dtype(name)
+    if dtype is None or name_dtype(label) == dtype:
+        return label
+    return short_name(short, width - len(dtype) - 3) + f" [{dtype}]"
+
+
+def kernel_labels(names, width: int = 48) -> list[str]:
+    """``kernel_label`` of each name; two different names that shorten alike (kernels that differ only in their tiling)
+    are numbered, "... #2", so that no two bars of a figure carry one label."""
+    labels, seen = [], {}
+    for n in names:
+        label = kernel_label(n, width)
+        seen[label] = seen.get(label, 0) + 1
+        labels.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return labels
+
+
 # ATen operators that only call the one beneath them (torch 2.14.1's CPU traces: aten::conv2d -> aten::convolution ->
 # aten::_convolution -> aten::mkldnn_convolution). Compiled code calls the operator beneath directly, so the wrapper
 # vanishes from a trace while the work it wrapped still runs.
@@ -941,7 +1002,7 @@ def trace_diff_bars(diff, *, label: str | None = None, title: str = "What change
     wrapped = [str(n) in wrappers for n in diff["name"]]
     ax.barh(range(len(diff)), ms, color=["C7" if w else "C2" if v < 0 else "C3" for v, w in zip(ms, wrapped)],
             hatch=["//" if w else "" for w in wrapped], edgecolor="white")
-    names = [short_name(n) for n in diff["name"].astype(str)]
+    names = kernel_labels(diff["name"].astype(str))
     ax.set_yticks(range(len(diff)), [f"{n}  ({b:.0f} -> {a:.0f} calls" + (
         f"; a wrapper: {wrappers[str(full)][0]} ran {wrappers[str(full)][1]:.0f} -> {wrappers[str(full)][2]:.0f})"
         if str(full) in wrappers else ")") for n, full, b, a in

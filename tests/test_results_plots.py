@@ -733,3 +733,24 @@ def test_the_scaling_figure_draws_each_point_s_spread_and_a_given_label():
     assert [t.get_text() for t in ax.texts] == ["baseline", "n/a: ranges overlap"]
     assert any(len(c.lines) > 2 and c.lines[2] for c in ax.containers)  # an errorbar container: the p10-p90 bars
     plots.plt.close(fig)
+
+
+def test_kernel_labels_keep_the_data_type_a_middle_cut_would_remove():
+    """09's trace diff asks the reader to find fp32 convolution kernels replaced by bf16 ones; cut in the middle to 48
+    characters, the H200's cuDNN kernel names lost exactly the part that says so (a student read of its reference)."""
+    from ddpm_core.plots import kernel_label, kernel_labels, name_dtype, short_name
+
+    bf16 = ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1_g1_"
+            "execute_segment_k_off_kernel__5x_cudnn")
+    fp32 = ("sm80_xmma_fprop_implicit_gemm_f32f32_f32f32_f32_nchwkcrs_nchw_tilesize256x64x8_stage3_warpsize2x2x1_g1_"
+            "ffma_aligna4_alignc4_execute_kernel__5x_cudnn")
+    assert name_dtype(short_name(bf16)) is None  # the old cut: "sm90_xmma_fprop_implici...k_off_kernel__5x_cudnn"
+    a, b = kernel_label(bf16), kernel_label(fp32)
+    assert len(a) <= 48 and len(b) <= 48
+    assert name_dtype(a) == "bf16" and name_dtype(b) == "fp32" and "fprop" in a and "fprop" in b
+    assert "tilesize" not in a + b and "nhwc" in a and "nchw" in b  # the layout stays, the tiling goes first
+    assert kernel_label("void fft2d_r2c_32x32<float, false, 1u, false>(float2*, float const*, int, int)") == \
+        "fft2d_r2c_32x32<float, false, 1u, false>"  # a C++ parameter list goes before anything is cut
+    assert kernel_label("aten::add_") == "aten::add_" and name_dtype("aten::add_") is None
+    other = bf16.replace("tilesize128x128x64", "tilesize64x64x64")  # the same kernel with another tiling
+    assert kernel_labels([bf16, other, fp32]) == [a, a + " #2", b]
