@@ -16,8 +16,12 @@ cd "$(dirname "$0")/.."
 TORCH=${TORCH:-2.11.0}
 TORCHVISION=${TORCHVISION:-0.26.0}
 DIR=${REHEARSAL_DIR:-/tmp/gpu_rehearsal}
-PY312=${PY312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)}
-[ -n "$PY312" ] && [ -x "$PY312" ] || { echo "gpu_rehearsal: no python3.12 here (the GPU machine's Python): set PY312" >&2; exit 2; }
+if [ -z "${PY312:-}" ]; then  # the first that runs: a pyenv shim is on the PATH even where its version is not selected
+  for c in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then PY312=$c; break; fi
+  done
+fi
+[ -n "${PY312:-}" ] || { echo "gpu_rehearsal: no python3.12 runs here (the GPU machine's Python): set PY312" >&2; exit 2; }
 ls .whl/*.whl > /dev/null 2>&1 || bash scripts/gpu_wheels.sh
 rm -rf "$DIR" && mkdir -p "$DIR"
 "$PY312" -m venv "$DIR/venv"
