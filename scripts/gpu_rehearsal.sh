@@ -5,7 +5,7 @@
 # `scripts/gpu_call.sh --shakedown` (every notebook in smoke mode, past failures) from a clean worktree of HEAD, so
 # a notebook or a package that would fail there for its Python, its torch or a missing wheel fails here instead.
 #
-#   bash scripts/gpu_rehearsal.sh                     # ~20 min on 2 cores: 1-2 to set up, the shakedown after
+#   bash scripts/gpu_rehearsal.sh                     # ~11 min on 2 cores: 2 to set up, 9 for the shakedown
 #   TORCH=2.12.0 TORCHVISION=0.27.0 bash scripts/gpu_rehearsal.sh   # another image's pair
 #
 # It needs the package registry (for the venv) and python3.12 (pyenv's here). What it cannot rehearse is the GPU
