@@ -47,6 +47,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -125,6 +126,21 @@ PART_ESTIMATE_S = {"meta": 1, "gpu-tests": 150, "gpu-tests-slow": 280, "gpu-test
 # is redone from its start (only the rows and executed copy it had written are kept), so on a machine lent for minutes,
 # starting one that cannot end wastes them.
 DEADLINE_ENV = "DDPM_RUN_DEADLINE"
+# A file holding the time of the run's SIGINT, which a later command may move (scripts/gpu_call.sh --attach); where it
+# is set it wins over DEADLINE_ENV, read before each part, with PACK_MARGIN_S kept for packing.
+DEADLINE_FILE_ENV = "DDPM_RUN_DEADLINE_FILE"
+PACK_MARGIN_S = 20
+
+
+def run_deadline() -> float | None:
+    """When a full run must have ended its parts, in seconds since the epoch, or None (no deadline: a run by hand)."""
+    path = os.environ.get(DEADLINE_FILE_ENV)
+    if path:
+        try:
+            return float(Path(path).read_text().strip()) - PACK_MARGIN_S
+        except (OSError, ValueError):
+            pass  # unreadable: the fixed deadline, if any
+    return float(os.environ.get(DEADLINE_ENV) or 0) or None
 SELF_ENV = "DDPM_REFERENCE_SELF"  # set while the reference run executes the notebooks
 IS_REFERENCE = "This executed copy is the reference run itself"  # how self_line() begins, whatever the machine
 
@@ -1468,7 +1484,6 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
     if side_by_side:  # they run where the first of them stands in the order; the others (meta, tests, pack) one by one
         at = todo.index(side_by_side[0])
         todo = [p for p in todo[:at] if p not in side_by_side] + ["notebook parts"] + [p for p in todo[at:] if p not in side_by_side]
-    deadline = None if smoke else float(os.environ.get(DEADLINE_ENV) or 0) or None
     not_started: list[str] = []
     for part in todo:
         if part == "notebook parts":
@@ -1479,7 +1494,7 @@ def run(out: Path | None = None, *, smoke: bool | None = None, parts: Sequence[s
             status_path.write_text(json.dumps(status, indent=1))
             print(f"[{part}] skipped: {why}", flush=True)
             continue
-        if deadline is not None:
+        if (deadline := None if smoke else run_deadline()) is not None:  # read each time: --attach may move it
             est, source = part_estimate_s(part)
             if est > (left := deadline - time.time()):
                 print(f"[{part}] not started: it takes about {est:.0f} s ({source}) and {max(left, 0):.0f} s are left "
@@ -1629,6 +1644,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "run":
+            # The deadline's SIGINT (scripts/gpu_call.sh) must reach run() as KeyboardInterrupt, which packs what a cut
+            # part finished. A run started in the background of a script (gpu_call.sh --detach) inherits SIGINT
+            # ignored, and Python then installs no handler of its own: the SIGINT did nothing, and the kill that
+            # followed lost the cut part's rows.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             smoke = True if args.smoke else (False if args.full else None)
             run(args.out, smoke=smoke, parts=args.parts, force=args.force, notebooks=args.notebooks,
                 keep_going=args.keep_going, archive_to=Path(args.archive_to) if args.archive_to else None, jobs=args.jobs)

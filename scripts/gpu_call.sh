@@ -31,9 +31,11 @@
 #   bash scripts/gpu_call.sh --attach            # follows the same run until it ends or ATTACH_S, copying to $OUT
 #
 # Both copy what the run has packed every 5 s, so a call stopped early still returns every part finished before.
-# 660 s: a 15-minute session is ~60-100 s of start, the --detach call (~550 s) and the --attach call; a later
-# deadline leaves the --attach call cut off by the session's end. Call --attach at once: the machine goes back
-# after ~30 s idle, and the detached run with it.
+# 660 s: a 15-minute session is ~60-150 s of start, the --detach call (~550 s) and the --attach call; a later
+# deadline leaves the --attach call cut off by the session's end after a slow start. --attach, given ATTACH_S (what is
+# left of the session, less 30), moves the deadline to ATTACH_MARGIN_S (40 s) before its own end where that is later:
+# after a quick start the run gets the seconds a slow one would have needed. Call --attach at once: the machine goes
+# back after ~30 s idle, and the detached run with it.
 #
 # A detached run gives each notebook the run's whole deadline (DDPM_PART_BUDGET_S), for notebooks longer than one
 # command (04's max-autotune, 09's compiled stages), and works on a copy of the committed reference folder in
@@ -63,6 +65,16 @@ if [ "${1:-}" = "--attach" ]; then
   OUT=${OUT:-/tmp/gpu_call_out}
   [ -d "$BG/out" ] || { echo "gpu_call --attach: no detached run on this machine ($BG): it starts bare after being" \
                           "given back, so --attach must follow --detach while the machine is still warm" >&2; exit 4; }
+  # An ATTACH_S given here is what is left of the session (its budget_left_s, less 30): the run may go on until
+  # ATTACH_MARGIN_S before this command stops following it, in time to pack what it finished (a part cut off too).
+  # Only later, never earlier: RUN_DEADLINE_S was set for a session's slowest start, and most starts are quicker.
+  if [ -n "${ATTACH_S:-}" ] && [ -f "$BG/deadline" ] && [ ! -f "$BG/exit" ]; then
+    was=$(cat "$BG/deadline") now=$(( $(date +%s) + ATTACH_S - ${ATTACH_MARGIN_S:-40} ))
+    if [ "$now" -gt "$was" ]; then
+      echo "$now" > "$BG/deadline"
+      echo "gpu_call: the run's deadline moves $(( now - was )) s later, to $(( ATTACH_S - ${ATTACH_MARGIN_S:-40} )) s from now"
+    fi
+  fi
   follow
 fi
 if [ "${1:-}" = "--detach" ]; then
@@ -78,8 +90,9 @@ if [ "${1:-}" = "--detach" ]; then
   # repo's copy there, and that must not touch what the run is writing (it reads the committed parts to resume).
   src=${DDPM_REFERENCE_DIR:-data/reference}
   if [ -d "$src" ]; then cp -a "$src"/. "$BG/reference"/; fi
+  echo $(( $(date +%s) + ${RUN_DEADLINE_S:-660} )) > "$BG/deadline"  # when the run gets its SIGINT; --attach may move it
   DDPM_REFERENCE_DIR="$BG/reference" OUT="$BG/out" DEADLINE_S=${RUN_DEADLINE_S:-660} DDPM_PART_BUDGET_S=${DDPM_PART_BUDGET_S:-${RUN_DEADLINE_S:-660}} \
-    GPU_CALL_BG="$BG" setsid nohup bash -c 'bash "$0" "$@" > "$GPU_CALL_BG/out/console.log" 2>&1; echo $? > "$GPU_CALL_BG/exit"' \
+    GPU_CALL_DEADLINE_FILE="$BG/deadline" GPU_CALL_BG="$BG" setsid nohup bash -c 'bash "$0" "$@" > "$GPU_CALL_BG/out/console.log" 2>&1; echo $? > "$GPU_CALL_BG/exit"' \
     "$SELF" "$@" < /dev/null > /dev/null 2>&1 &
   echo "gpu_call: detached run of $* started (its log: $BG/out/run.log)"
   follow
@@ -128,6 +141,26 @@ if [ "${1:-}" = "--shakedown" ]; then
   # the executed notebooks (with their tracebacks) and parts.json: what a shakedown is read for
   tar -czf "$OUT/shakedown.tar.gz" -C "$(dirname "$shake")" "$(basename "$shake")/parts.json" \
     "$(basename "$shake")/notebooks" $(cd "$(dirname "$shake")" && ls "$(basename "$shake")"/tests*.log 2>/dev/null)
+elif [ -n "${GPU_CALL_DEADLINE_FILE:-}" ]; then
+  # A detached run: its deadline is a file that --attach may move later (the second command knows how much of the
+  # session is left; the first did not). The run reads it before each part (DDPM_RUN_DEADLINE_FILE, 20 s kept for
+  # packing), and this loop sends the SIGINT when the file's time comes, as `timeout` does below.
+  export DDPM_RUN_DEADLINE_FILE="$GPU_CALL_DEADLINE_FILE"
+  python3 -m ddpm_core.reference run --full --keep-going ${FORCE:+--force} --archive-to "$OUT" --parts "$@" \
+    > >(tee "$OUT/run.log") 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$(date +%s)" -ge "$(cat "$GPU_CALL_DEADLINE_FILE" 2>/dev/null || echo 0)" ]; then
+      echo "gpu_call: the run's deadline: SIGINT (what it finished is packed)"
+      kill -INT "$pid" 2>/dev/null
+      for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+      kill -KILL "$pid" 2>/dev/null
+      break
+    fi
+    sleep 1
+  done
+  wait "$pid"
+  rc=$?
 else
   # the run starts no part whose expected time (reference.part_estimate_s) no longer fits: 20 s are kept for packing
   export DDPM_RUN_DEADLINE=$(( $(date +%s) + left - 20 ))

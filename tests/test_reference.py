@@ -834,6 +834,42 @@ def test_gpu_call_detach_runs_on_past_its_command_and_attach_collects_what_it_wr
     assert lost.returncode == 4 and "no detached run on this machine" in lost.stderr
 
 
+def test_attach_moves_a_detached_runs_deadline_later_and_its_sigint_reaches_the_run(tmp_path):
+    """--detach sets the run's deadline for a session's slowest start (RUN_DEADLINE_S); --attach, given what is left of
+    the session (ATTACH_S), moves it later. At the deadline the run gets a SIGINT it can act on (KeyboardInterrupt packs
+    what a cut part finished), though a background job of a script starts with SIGINT ignored: without
+    reference.main's reset the SIGINT did nothing, and the kill 30 s later lost the cut part's rows."""
+    import shutil
+
+    script = series.REPO_ROOT / "scripts" / "gpu_call.sh"
+    stub = tmp_path / "bin" / "python3"  # the run itself is a stand-in that waits for the deadline's SIGINT
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/bash\nif [ "$1 $2 $3" = "-m ddpm_core.reference run" ]; then\n  exec "$REAL_PY" -c \'\n'
+                    'import os, sys, time\nfrom ddpm_core import reference\ndef run(*a, **k):\n'
+                    '    print("stand-in run: waiting for the deadline", flush=True)\n    try:\n        time.sleep(120)\n'
+                    '    except KeyboardInterrupt:\n        open(os.environ["MARK"], "w").write(str(time.time()))\n'
+                    '        raise\nreference.run = run\nsys.exit(reference.main(sys.argv[1:]))\' "${@:3}"\nfi\n'
+                    'exec "$REAL_PY" "$@"\n')
+    stub.chmod(0o755)
+    mark = tmp_path / "sigint_at"
+    env = {**os.environ, "REAL_PY": sys.executable, "MARK": str(mark), "BG_DIR": str(tmp_path / "bg"),
+           "DDPM_REFERENCE_DIR": str(tmp_path / "reference"), "PATH": f"{stub.parent}:{os.environ['PATH']}",
+           "WHEELS": str(tmp_path / "no-wheels")}
+    if not shutil.which("python3", path=env["PATH"]):
+        pytest.skip("no python3 on PATH")
+    start = time.time()
+    first = subprocess.run(["bash", str(script), "--detach", "nb-10"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60, env={**env, "OUT": str(tmp_path / "OUT1"), "ATTACH_S": "0", "RUN_DEADLINE_S": "20"})
+    assert first.returncode == 0 and "the detached run goes on" in first.stdout, first.stdout + first.stderr
+    second = subprocess.run(["bash", str(script), "--attach"], cwd=tmp_path, capture_output=True, text=True, timeout=90,
+                            env={**env, "OUT": str(tmp_path / "OUT2"), "ATTACH_S": "40", "ATTACH_MARGIN_S": "10"})
+    assert re.search(r"the run's deadline moves \d+ s later, to 30 s from now", second.stdout), second.stdout
+    assert "the detached run ended (exit 130)" in second.stdout, second.stdout + second.stderr  # KeyboardInterrupt
+    assert mark.exists(), (tmp_path / "bg" / "out" / "console.log").read_text()  # the run saw KeyboardInterrupt
+    assert float(mark.read_text()) - start > 20 + 2  # not at the deadline --detach set: the one --attach moved it to
+    assert "stand-in run: waiting for the deadline" in (tmp_path / "OUT2" / "run.log").read_text()
+
+
 def test_the_readme_race_comes_from_09bs_rows_with_ratios_only_where_09b_would(tmp_path):
     """09b's contenders, ceiling and quality verdict from results.csv: the README's race, written by reference readme."""
     folder = tmp_path / "h200"
