@@ -904,20 +904,48 @@ def name_dtype(name: str) -> str | None:
     return None
 
 
+# ATen's CUDA kernels are templates: a launcher (elementwise_kernel, reduce_kernel, multi_tensor_apply_kernel) whose
+# template arguments name the operation (silu_kernel, MulFunctor, sum_functor, FusedAdamMathFunctor), among wrappers
+_ATEN_WRAPPERS = {"gpu_kernel_impl_nocast", "gpu_kernel_impl", "ReduceOp", "func_wrapper_t", "BinaryFunctor",
+                  "AUnaryFunctor", "BUnaryFunctor", "UnaryOpFunctor", "BinaryOpScalarFunctor", "BinaryOpScalarTensorFunctor",
+                  "BinaryOpScalarListFunctor", "BinaryOpListAlphaFunctor", "TernaryOpScalarFunctor", "PointwiseOpScalarFunctor",
+                  "PointwiseOpScalarListFunctor", "OpaqueType", "TensorIteratorBase", "TensorIterator", "Tensor", "Scalar",
+                  "CUDAGeneratorImpl", "PhiloxCudaState", "TrivialOffsetCalculator", "LoadWithoutCast", "StoreWithoutCast",
+                  "LoadWithCast", "StoreWithCast", "operator", "const", "lambda", "unsigned", "float", "double", "int",
+                  "long", "bool", "char", "array", "native", "at", "std", "c10", "anonymous", "namespace", "detail",
+                  "templates", "cuda", "memory", "BFloat16", "Half", "binary_internal", "true", "false"}
+_ATEN_WHAT = re.compile(r"kernel|Kernel|Functor|functor|Ops$|Internal|_impl$")
+
+
+def _aten_label(name: str) -> str | None:
+    """"vectorized_elementwise_kernel<silu_kernel>" for ATen's templated CUDA kernels, or None for other names."""
+    if not name.startswith("at::native::") or "<" not in name:
+        return None
+    outer, args = name.split("<", 1)
+    outer = outer.split("::")[-1]
+    found = [w for w in re.findall(r"[A-Za-z_][A-Za-z_0-9]*", args)
+             if w not in _ATEN_WRAPPERS and not w.endswith("Metadata") and len(w) > 2]
+    what = next((w for w in found if _ATEN_WHAT.search(w)), None)
+    if what is None and re.search(r"elementwise|multi_tensor_apply|reduce_kernel", outer) and found:
+        what = found[0]  # std::multiplies, Copy, Sqrt: the operation of a generic launcher
+    return f"{outer}<{what}>" if what else outer
+
+
 def kernel_label(name: str, width: int = 48) -> str:
     """A kernel or operator name shortened to ``width`` characters for a figure's labels, keeping what a reader
     compares: the tiling tokens of cuDNN's and cuBLAS' names and C++ parameter lists go first, then the middle is cut
-    (``short_name``); where that cut removed the data type the name states, it is added as " [bf16]" (notebook 09 asks
-    the reader to find fp32 convolution kernels replaced by bf16 ones, and the cut took exactly that part)."""
+    (``short_name``); ATen's templated kernels are named by their launcher and the operation in its template
+    ("vectorized_elementwise_kernel<silu_kernel>"). Where the label lost the data type the name states, it is added as
+    " [bf16]" (notebook 09 asks the reader to find fp32 convolution kernels replaced by bf16 ones, and a plain cut took
+    exactly that part)."""
     name = str(name)
     if len(name) <= width:
         return name
     short = _KERNEL_NOISE.sub("", _params_cut(name))
-    if len(short) <= width:
-        return short
-    label, dtype = short_name(short, width), name_dtype(name)
-    if dtype is None or name_dtype(label) == dtype:
-        return label
+    short = _aten_label(short) or short
+    dtype = name_dtype(name)
+    if dtype is None or name_dtype(short_name(short, width)) == dtype:  # no type, or the label says it already
+        return short_name(short, width)
     return short_name(short, width - len(dtype) - 3) + f" [{dtype}]"
 
 

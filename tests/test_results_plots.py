@@ -752,5 +752,21 @@ def test_kernel_labels_keep_the_data_type_a_middle_cut_would_remove():
     assert kernel_label("void fft2d_r2c_32x32<float, false, 1u, false>(float2*, float const*, int, int)") == \
         "fft2d_r2c_32x32<float, false, 1u, false>"  # a C++ parameter list goes before anything is cut
     assert kernel_label("aten::add_") == "aten::add_" and name_dtype("aten::add_") is None
+    silu = ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::silu_kernel("
+            "at::TensorIteratorBase&)::{lambda()#1}::operator()() const::{lambda()#2}::operator()() const::{lambda(float)#1}, "
+            "std::array<char*, 2ul> >(int, at::native::(anonymous namespace)::silu_kernel(at::TensorIteratorBase&)"
+            "::{lambda()#1}::operator()() const::{lambda()#2}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>)")
+    mul = ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, "
+           "float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::"
+           "BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>("
+           "int, at::native::gpu_kernel_impl_nocast<...>::{lambda(int)#1})")
+    adam = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+            "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+            "(at::native::ADAM_MODE)0, false>, float*, double, double, double, double, double, bool, bool*, float*, float*, "
+            "float const*, float const*>(at::native::(anonymous namespace)::FusedOptimizerTensorListMetadata<4>, ...)")
+    # ATen's templated kernels: the launcher and the operation in its template, not "at::native::vectorized_...>"
+    assert kernel_label(silu) == "vectorized_elementwise_kernel<silu_kernel>"
+    assert kernel_label(mul) == "elementwise_kernel<MulFunctor> [fp32]"
+    assert kernel_label(adam) == "multi_tensor_apply_...sedAdamMathFunctor> [fp32]"
     other = bf16.replace("tilesize128x128x64", "tilesize64x64x64")  # the same kernel with another tiling
     assert kernel_labels([bf16, other, fp32]) == [a, a + " #2", b]
