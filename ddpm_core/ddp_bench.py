@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .atomic import atomic_write_text
 from .env import device_name
+from .text import plural
 from .train import TrainConfig, _init_distributed, _release_group, build, exit_worker
 
 
@@ -30,7 +31,7 @@ def launch_device_name(device: torch.device, world_size: int) -> str:
     name = device_name(device)
     if device.type != "cpu" or not name.endswith(")"):
         return name
-    return name[:-1] + f" per process, {world_size} process{'es' if world_size != 1 else ''})"
+    return name[:-1] + f" per process, {plural(world_size, 'process', 'processes')})"
 
 
 def main(argv: list[str] | None = None) -> int:

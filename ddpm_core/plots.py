@@ -18,6 +18,7 @@ import torch
 from .atomic import atomic_write_bytes
 from .bench import OTHER_NETWORK, ranges_apart  # the end of a speedup cell that compares TFLOP/s (bench.work_factor)
 from .paths import figures_dir
+from .text import plural
 
 
 def set_style() -> None:
@@ -1246,7 +1247,7 @@ def epoch_time_vs_batch(df, *, label: str | None = None, images: int = 50_000,
         ddp = "" if "backend" not in g else " (no DDP)" if str(g["backend"].iloc[0]) == "none" else " (DDP)"
         ax.plot(g["batch_per_process"], images / g["images_per_s"], marker="o" if precision == "fp32" else "s",
                 color=color, ls="-" if precision == "fp32" else "--",
-                label=f"{world} process{'es' if world > 1 else ''}{ddp}, {precision}")
+                label=f"{plural(world, 'process', 'processes')}{ddp}, {precision}")
         if "times_ms" in g:  # each point's p10-p90 over its timed steps (a vertical bar): the same share of the epoch
             import statistics
 

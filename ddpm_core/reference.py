@@ -329,14 +329,14 @@ def show(notebook: str, *, traces: Sequence[str] = (), figures: Sequence[str] | 
         m = meta(folder)
         ref_label = label(folder)
         mode = " in smoke mode (a stand-in made without a GPU)" if m.get("mode") == "smoke" else ""
-        cut = cut_off_seconds(folder, notebook) if notebook_seconds(folder, notebook) is None else None
+        secs = notebook_seconds(folder, notebook)
+        cut = cut_off_seconds(folder, notebook) if secs is None else None
         display(Markdown(
             f"### On {device_words(m, folder)} (reference run, not this machine)\n\n"
             f"Everything above this heading was measured on this machine. Everything below comes from the "
             f"reference run{mode} ({ref_label.removeprefix('reference: ')}), git commit `{str(m.get('git_commit') or '?')[:10]}`, "
             f"committed in `data/reference/{folder.name}/`."
-            + (f" This notebook ran for **{secs / 60:.1f} min** there{mode or ' in full mode'}."
-               if (secs := notebook_seconds(folder, notebook)) is not None else "")
+            + (f" This notebook ran for **{secs / 60:.1f} min** there{mode or ' in full mode'}." if secs is not None else "")
             + (f" That run's deadline **cut this notebook off after {cut / 60:.1f} min**: the rows below are those of "
                "the sections it finished, and its executed copy there ends where it was cut; a later GPU session "
                "runs it again." if cut is not None else "")))
