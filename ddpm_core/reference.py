@@ -88,7 +88,10 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
     "nb-07": ["07"],  # ~4.5 min: 07 compiles its step, and builds every loader afresh in each of its interleaved rounds
     "nb-08": ["08"],  # ~3.5 min on one GPU: DDP in gloo CPU processes (torchrun launches)
     "nb-09": ["09"],  # ~5 min: ten stages, the last two compiled
-    "nb-09b": ["09b"],  # ~9 min: the peers (their wheels: scripts/gpu_wheels.sh), five compiles, the ceiling, three profiles, the quality runs
+    # 09b's quality runs went into a notebook of their own (09c): on the H200, cold compiles of the paper's model took
+    # 76 s each, and 09b's five compiles with the quality runs came close to a whole session's window (2026-11-29)
+    "nb-09b": ["09b"],  # ~7.5 min: the peers (their wheels: scripts/gpu_wheels.sh), five compiles, the ceiling, three profiles
+    "nb-09c": ["09c"],  # ~3.5 min: three fp32 runs of 120 steps, the fast run (one cold compile), four sample grids
     "nb-10": ["10"],  # ~5 min: 10 trainings of 100 fp32 steps
 }
 # The gpu tests in two parts: on the H100 (2026-11-26) one cold reduce-overhead compile of the tiny model took 55 s
@@ -106,13 +109,14 @@ PARTS = ["meta", *GPU_TEST_PARTS, *NOTEBOOK_PARTS, "pack"]
 # The order in which ``--parts next`` takes the parts a folder has not done yet. GPU time comes rarely and briefly
 # (one task in about forty has drawn a GPU, for 15 minutes), so a session should spend it where the issues need it
 # most: 09 (every stage on the GPU: the README's GPU table) and 09b (the fastest step against the peers and the
-# ceiling, and the suspects in its trace: issue 12's evidence), then the fast GPU tests ("GPU paths that work"; they
-# ran on the H200, two failed and were fixed: short and predictable, they fit beside any part), then the notebooks
-# that teach one technique each. 09b goes before the tests because its length is only estimated: first, it gets the
-# whole of a run's deadline. 00-01 comes
+# ceiling, and the suspects in its trace: issue 12's evidence) with 09c (the fast step's quality against the
+# baseline's seed band: the rest of that evidence), then the fast GPU tests ("GPU paths that work"; they ran on the
+# H200, two failed and were fixed: short and predictable, they fit beside any part), then the notebooks that teach
+# one technique each. 09b goes before the tests because its length is only estimated: first, it gets the whole of a
+# run's deadline, and 09c (about 3.5 minutes) fits what 09b leaves of a session's window. 00-01 comes
 # late: the H100's run committed its figures (a 4-minute training of the paper's model), and another GPU of the same
 # compute adds little. nb-08 is last but the autotune test: on one GPU its DDP runs are CPU processes (_skip_reason).
-PRIORITY = ["meta", "nb-09", "nb-09b", "gpu-tests", "nb-02", "nb-03", "nb-04", "nb-05-06", "nb-03b", "nb-07",
+PRIORITY = ["meta", "nb-09", "nb-09b", "nb-09c", "gpu-tests", "nb-02", "nb-03", "nb-04", "nb-05-06", "nb-03b", "nb-07",
             "nb-10", "gpu-tests-slow", "nb-00-01", "nb-08", "gpu-tests-autotune"]
 NEXT = "next"  # a --parts word: every part of PRIORITY the folder has not done, in that order
 # Seconds each part is expected to take in full mode on one H100 or H200: nb-00-01 as measured there (2026-11-26), the
@@ -120,7 +124,7 @@ NEXT = "next"  # a --parts word: every part of PRIORITY the folder has not done,
 # (parts.json) is estimated by the longest such measurement instead (part_estimate_s).
 PART_ESTIMATE_S = {"meta": 1, "gpu-tests": 150, "gpu-tests-slow": 280, "gpu-tests-autotune": 300, "nb-00-01": 507,
                    "nb-02": 270, "nb-03": 300, "nb-03b": 120, "nb-04": 390, "nb-05-06": 330, "nb-07": 270, "nb-08": 210,
-                   "nb-09": 300, "nb-09b": 560, "nb-10": 300, "pack": 10}
+                   "nb-09": 300, "nb-09b": 450, "nb-09c": 210, "nb-10": 300, "pack": 10}
 # When a full run must end, in seconds since the epoch (scripts/gpu_call.sh sets it from its deadline): a part whose
 # estimate does not fit the time left is not started, and a shorter one after it may be. A part cut off by the deadline
 # is redone from its start (only the rows and executed copy it had written are kept), so on a machine lent for minutes,
@@ -481,6 +485,7 @@ def stages_markdown(folder: Path) -> str:
 
 
 PEERS_NOTEBOOK = "09b_the_fastest_step"
+QUALITY_NOTEBOOK = "09c_nothing_given_up"
 
 
 def _number(r, column: str) -> float | None:
@@ -494,8 +499,8 @@ def _number(r, column: str) -> float | None:
 
 
 def peers_markdown(folder: Path) -> str:
-    """The README's race: notebook 09b's contenders from a reference's results.csv, its measured ceiling and its
-    quality verdict ("" before 09b has run there). A ratio against ours (baseline), and between ours (fast) and each
+    """The README's race: notebook 09b's contenders from a reference's results.csv and its measured ceiling ("" before
+    09b has run there). A ratio against ours (baseline), and between ours (fast) and each
     peer at the same batch, only where ``bench.Comparison`` would state one (``_comparison_from_rows``)."""
     from .bench_peers import same_network
 
@@ -543,19 +548,32 @@ def peers_markdown(folder: Path) -> str:
         said.append("The measured ceiling (the model's own convolution shapes and a large matmul, timed alone): "
                     + "; ".join(parts) + " (the share of it is for our network; the fp32 baseline's is of the same "
                     "16-bit yardstick, not a limit of its own)")
-    quality = rows[variant.str.startswith("quality: fast")]
-    if len(quality):
-        q = quality.iloc[-1]
-        inside, passed = _number(q, "band_inside"), str(q.get("passed", "")).strip().lower()
-        said.append(f"Quality (the fast run against the baseline's seed band, {q.get('dataset', '?')}, "
-                    f"{int(_number(q, 'steps') or 0)} steps each): "
-                    + ("the check passed" if passed == "true" else "the check failed" if passed == "false" else "no verdict")
-                    + (f", its smoothed loss inside the band at {inside:.0%} of the judged steps" if inside is not None else "")
-                    + "; notebook 09b's section 4 gives the whole verdict")
     base = race.iloc[0]
     return (f"Notebook 09b's race on {base.get('device_name', '?')} (from `results.csv`; each contender a whole training "
             "step in one process, interleaved; a ratio only where the per-image p10-p90 ranges lie apart, as in the "
             "notebook):\n\n" + "\n".join(lines) + ("\n\n" + ". ".join(said) + "." if said else ""))
+
+
+def quality_markdown(folder: Path) -> str:
+    """The README's line on notebook 09c's quality check in a reference's results.csv: the fast run against the
+    baseline's seed band ("" before 09c has run there)."""
+    rows = results(folder, QUALITY_NOTEBOOK)
+    if not len(rows) or "variant" not in rows:
+        return ""
+    quality = rows[rows["variant"].astype(str).str.startswith("quality: fast")]
+    if not len(quality):
+        return ""
+    q = quality.iloc[-1]  # a part rerun: its newest row
+    inside, within = _number(q, "band_inside"), _number(q, "within_spread")
+    passed = str(q.get("passed", "")).strip().lower()
+    return (f"Notebook 09c's quality check on {q.get('device_name', '?')} (the fast run against the fp32 baseline's "
+            f"seed band, {q.get('dataset', '?')}, {int(_number(q, 'steps') or 0)} steps of "
+            f"{int(_number(q, 'batch_size') or 0)} images each): "
+            + ("the check passed" if passed == "true" else "the check failed" if passed == "false" else "no verdict")
+            + (f"; its smoothed loss within the seeds' spread of its same-seed twin at {within:.0%} of the judged steps"
+               if within is not None else "")
+            + (f", inside the band at {inside:.0%}" if inside is not None else "")
+            + "; the notebook gives the whole verdict.")
 
 
 def _last_stage_report(folder: Path):
@@ -702,6 +720,8 @@ def status_markdown(root: Path | None = None) -> str:
             lines += ["", where]
         if race := peers_markdown(folder):
             lines += ["", race]
+        if check := quality_markdown(folder):
+            lines += ["", check]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

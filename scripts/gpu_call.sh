@@ -133,7 +133,7 @@ left=$(( ${DEADLINE_S:-560} - ($(date +%s) - start) ))
 if [ "${1:-}" = "--shakedown" ]; then
   shift
   parts=("$@")
-  [ ${#parts[@]} -gt 0 ] || parts=(nb-00-01 nb-02 nb-03 nb-03b nb-04 nb-05-06 nb-07 nb-08 nb-09 nb-09b nb-10 gpu-tests gpu-tests-slow gpu-tests-autotune)
+  [ ${#parts[@]} -gt 0 ] || parts=(nb-00-01 nb-02 nb-03 nb-03b nb-04 nb-05-06 nb-07 nb-08 nb-09 nb-09b nb-09c nb-10 gpu-tests gpu-tests-slow gpu-tests-autotune)
   shake=${SHAKEDOWN_DIR:-/tmp/shakedown}
   timeout -k 30 -s INT "$left" python3 -m ddpm_core.reference run --smoke --keep-going --out "$shake" \
     --parts "${parts[@]}" 2>&1 | tee "$OUT/run.log"

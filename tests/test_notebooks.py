@@ -15,7 +15,8 @@ def test_the_series_is_complete_and_in_order():
     names = [nb.stem for nb in NOTEBOOKS]
     assert names == ["00_setup", "01_build_the_ddpm", "02_profile_the_baseline", "03_batch_size", "03b_memory", "04_torch_compile",
                      "05_sdpa_attention", "06_mixed_precision", "07_data_loading", "08_multi_gpu",
-                     "09_putting_it_together", "09b_the_fastest_step", "10_optimizers_and_normalization"]
+                     "09_putting_it_together", "09b_the_fastest_step", "09c_nothing_given_up",
+                     "10_optimizers_and_normalization"]
 
 
 def test_the_readme_table_lists_every_notebook_and_figure():
@@ -247,3 +248,12 @@ def test_rendered_counts_agree_with_their_nouns():
     for nb in NOTEBOOKS:
         code = "\n".join(c.source for c in nbformat.read(nb, as_version=4).cells if c.cell_type == "code")
         assert not rendered.search(code), (nb.name, rendered.search(code).group(0))
+
+
+def test_each_next_link_opens_the_notebook_after_it():
+    """09b's quality section became a notebook of its own (09c): every "Next" link follows the series' order, and the
+    last notebook's leads back to the start."""
+    for nb, after in zip(NOTEBOOKS, NOTEBOOKS[1:] + NOTEBOOKS[:1]):
+        text = "\n".join(c.source for c in nbformat.read(nb, as_version=4).cells if c.cell_type == "markdown")
+        link = re.search(r"\*\*Next:\*\*[^\n]*?\]\(([^)]+\.ipynb)\)", text)
+        assert link and link.group(1) == after.name, (nb.name, link and link.group(0))

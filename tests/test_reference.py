@@ -286,7 +286,7 @@ def test_next_takes_the_parts_not_done_most_needed_first_and_one_gpu_leaves_08_o
     its reason (its DDP runs would be CPU processes there), never as done, and the notebook's block and the README's
     table say why."""
     assert sorted(reference.PRIORITY) == sorted(p for p in reference.PARTS if p != "pack")
-    assert reference.PRIORITY[:4] == ["meta", "nb-09", "nb-09b", "gpu-tests"]
+    assert reference.PRIORITY[:5] == ["meta", "nb-09", "nb-09b", "nb-09c", "gpu-tests"]
     calls = []
 
     def fake(out, smoke, prefixes, only, keep_going=False):
@@ -303,7 +303,7 @@ def test_next_takes_the_parts_not_done_most_needed_first_and_one_gpu_leaves_08_o
     out.mkdir()
     (out / "parts.json").write_text(json.dumps({"_mode": "full", "nb-09": {"status": "done", "seconds": 1.0}}))
     reference.run(out, smoke=False, parts=["next"])
-    assert calls == ["09b", "gpu-tests", "02", "03", "04", "05", "03b", "07", "10", "gpu-tests-slow", "00",
+    assert calls == ["09b", "09c", "gpu-tests", "02", "03", "04", "05", "03b", "07", "10", "gpu-tests-slow", "00",
                      "gpu-tests-autotune"]
     status = json.loads((out / "parts.json").read_text())
     assert status["nb-08"]["status"] == "skipped" and "gloo processes" in status["nb-08"]["reason"]
@@ -355,13 +355,13 @@ def test_a_run_with_a_deadline_starts_no_part_that_cannot_end_before_it(tmp_path
     reference.run(out, smoke=False, parts=["next"])
     status = json.loads((out / "parts.json").read_text())
     done = [p for p in reference.PARTS if status.get(p, {}).get("status") == "done"]
-    # meta (0 s here) + nb-09 (300) leave 400 s: 09b (560) does not fit; gpu-tests (150) does, leaving 250 s: 02-05-06
-    # do not fit, 03b (200) does
-    assert done == ["meta", "gpu-tests", "nb-03b", "nb-09"] and status["nb-08"]["status"] == "skipped"
+    # meta (0 s here) + nb-09 (300) leave 400 s: 09b (450) does not fit; 09c (210) does, leaving 190 s; gpu-tests (150)
+    # does, leaving 40 s: nothing after it fits (03b: 200)
+    assert done == ["meta", "gpu-tests", "nb-09", "nb-09c"] and status["nb-08"]["status"] == "skipped"
     text = capsys.readouterr().out
-    assert "[nb-09b] not started: it takes about 560 s (estimated from the code) and 400 s are left" in text
-    assert "not started for lack of time: nb-09b nb-02 nb-03 nb-04 nb-05-06 nb-07 nb-10 gpu-tests-slow nb-00-01 " \
-           "gpu-tests-autotune" in text
+    assert "[nb-09b] not started: it takes about 450 s (estimated from the code) and 400 s are left" in text
+    assert "not started for lack of time: nb-09b nb-02 nb-03 nb-04 nb-05-06 nb-03b nb-07 nb-10 gpu-tests-slow " \
+           "nb-00-01 gpu-tests-autotune" in text
     assert "nb-09b" not in status  # nothing recorded: it is simply still to do
     monkeypatch.delenv(reference.DEADLINE_ENV)  # no deadline (a run by hand, make reference): every part is started
     reference.run(out, smoke=False, parts=["nb-09b"])
@@ -871,7 +871,8 @@ def test_attach_moves_a_detached_runs_deadline_later_and_its_sigint_reaches_the_
 
 
 def test_the_readme_race_comes_from_09bs_rows_with_ratios_only_where_09b_would(tmp_path):
-    """09b's contenders, ceiling and quality verdict from results.csv: the README's race, written by reference readme."""
+    """09b's contenders and ceiling, and 09c's quality verdict, from results.csv: the README's race, written by
+    reference readme."""
     folder = tmp_path / "h200"
     folder.mkdir()
     (folder / "meta.json").write_text(json.dumps({"device_name": "NVIDIA H200", "mode": "full"}))
@@ -888,8 +889,9 @@ def test_the_readme_race_comes_from_09bs_rows_with_ratios_only_where_09b_would(t
              "images_per_s": b / m * 1e3, "tflops": tf, "mfu": mfu} for n, b, m, lo, hi, pr, tf, mfu in race]
     rows.append({**row, "variant": "measured ceiling (bf16)", "batch_size": 512, "precision": "bf16",
                  "ceiling_tflops": 480.0, "conv_tflops": 470.0, "matmul_tflops": 790.0, "datasheet_tflops": 989.4})
-    rows.append({**row, "variant": "quality: fast (bf16, seed 0)", "batch_size": 128, "dataset": "10,000 generated images",
-                 "steps": 120, "band_inside": 0.9, "passed": True})
+    rows.append({**row, "notebook": "09c_nothing_given_up", "variant": "quality: fast (bf16, seed 0)", "batch_size": 128,
+                 "dataset": "10,000 generated images", "steps": 120, "band_inside": 0.9, "within_spread": 1.0,
+                 "passed": True})
     pd.DataFrame(rows).to_csv(folder / "results.csv", index=False)
     md = reference.peers_markdown(folder)
     cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[5] for line in md.splitlines() if line.startswith("| ")}
@@ -899,8 +901,14 @@ def test_the_readme_race_comes_from_09bs_rows_with_ratios_only_where_09b_would(t
     assert "ours (fast) against diffusers at batch 128: faster, at 2.00x the throughput of diffusers" in md
     assert "ours (fast) against lucidrains at batch 128: no measurable difference" in md
     assert "480.0 TFLOP/s in bf16; convolutions 470.0, a large matmul 790.0; against the datasheet's 989.4" in md
-    assert "120 steps each): the check passed, its smoothed loss inside the band at 90%" in md
-    assert md in reference.status_markdown(tmp_path)
+    assert "quality" not in md  # 09c's, below
+    check = reference.quality_markdown(folder)
+    assert check.startswith("Notebook 09c's quality check on NVIDIA H200") and "120 steps of 128 images each): " \
+        "the check passed; its smoothed loss within the seeds' spread of its same-seed twin at 100% of the judged " \
+        "steps, inside the band at 90%" in check
+    assert md in reference.status_markdown(tmp_path) and check in reference.status_markdown(tmp_path)
+    pd.DataFrame(rows[:-1]).to_csv(folder / "results.csv", index=False)
+    assert reference.quality_markdown(folder) == ""  # 09c has not run there
 
 
 def test_the_readme_gpu_table_states_a_stage_ratio_only_where_09_would(tmp_path):
