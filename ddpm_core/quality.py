@@ -180,7 +180,7 @@ class QualityResult:
         where = "inside" if self.heldout_inside else "below" if ho < lo else "above"
         window = f"{self.window} step{'s' if self.window != 1 else ''}"
         band = (f"the fast run's smoothed loss (rolling mean of {window}, first {100 * SKIP:.0f}% not judged) is "
-                f"inside the baseline's {seeds}-seed band at {100 * self.inside:.0f}% of steps and outside it at "
+                f"inside the baseline's {seeds}-seed band at {100 * self.inside:.0f}% of the judged steps and outside it at "
                 f"{100 * (1 - self.inside):.0f}%, and its held-out EMA loss {ho:.5f} is {where} the baseline seeds' "
                 f"{lo:.5f}-{hi:.5f}")
         if twin is None or not math.isfinite(self.within_spread):
@@ -189,7 +189,7 @@ class QualityResult:
         head = ("Going fast changes the loss less than changing the seed" if self.passed else
                 "Going fast changes the loss MORE than changing the seed")
         s = (f"{head}: the fast run's smoothed loss is within the seeds' spread (the band's width) of its same-seed "
-             f"twin, {twin}, at {100 * self.within_spread:.0f}% of steps, and its held-out EMA loss {ho:.5f} differs "
+             f"twin, {twin}, at {100 * self.within_spread:.0f}% of the judged steps, and its held-out EMA loss {ho:.5f} differs "
              f"from the twin's {self.heldout_loss(twin):.5f} by {gap:.5f}, {'within' if gap <= spread else 'outside'} the "
              f"seeds' spread {spread:.5f}. "
              f"Against the band itself, {band}.")

@@ -66,7 +66,7 @@ def test_the_verdict_of_a_run_that_copies_its_twin_passes_and_quotes_its_numbers
     r = _fake(lambda twin: [(s, v * 1.0001) for s, v in twin], fast_heldout=0.305)
     assert r.passed and r.within_spread == 1.0 and r.heldout_inside
     v = r.verdict()
-    assert "less than changing the seed" in v and f"{100 * r.inside:.0f}% of steps" in v
+    assert "less than changing the seed" in v and f"{100 * r.inside:.0f}% of the judged steps" in v
     assert "0.30500 is inside the baseline seeds' 0.30000-0.32000" in v and "from the twin's 0.31000 by 0.00500, within the seeds' spread 0.02000" in v
     rows = r.rows()
     assert [row["kind"] for row in rows] == ["baseline"] * 3 + ["fast"]
@@ -186,3 +186,16 @@ def test_step_noise_measures_the_jitter_and_not_the_descent():
     assert step_noise(smooth_descent) < 1e-9 < statistics.pstdev(smooth_descent)
     assert step_noise(jagged) == pytest.approx(0.05, rel=0.15)
     assert step_noise([0.1, 0.2]) != step_noise([0.1, 0.2])  # NaN: too few steps
+
+
+def test_09c_states_the_rule_that_quality_applies():
+    """09c's section 2 states the pass rule in words before the verdict: its shares are the module's own."""
+    import nbformat
+
+    from ddpm_core import series
+
+    nb = next(n for n in series.list_notebooks() if n.stem == "09c_nothing_given_up")
+    text = "\n".join(c.source for c in nbformat.read(nb, as_version=4).cells if c.cell_type == "markdown")
+    rule = text.split("**The rule.**", 1)[1].split("\n\n", 1)[0]
+    assert f"{quality.PASS_SHARE:.0%} or more of the judged steps" in rule
+    assert f"the first {quality.SKIP:.0%} are not judged" in rule
