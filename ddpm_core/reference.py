@@ -91,7 +91,7 @@ NOTEBOOK_PARTS: dict[str, list[str]] = {  # grouped so that each part fits PART_
     # 09b's quality runs went into a notebook of their own (09c): on the H200, cold compiles of the paper's model took
     # 76 s each, and 09b's five compiles with the quality runs came close to a whole session's window (2026-11-29)
     "nb-09b": ["09b"],  # ~7.5 min: the peers (their wheels: scripts/gpu_wheels.sh), five compiles, the ceiling, three profiles
-    "nb-09c": ["09c"],  # ~3.5 min: three fp32 runs of 120 steps, the fast run (one cold compile), four sample grids
+    "nb-09c": ["09c"],  # ~3.5 min: three fp32 runs of 120 steps, the fast run (one cold compile), two sample grids
     "nb-10": ["10"],  # ~5 min: 10 trainings of 100 fp32 steps
 }
 # The gpu tests in two parts: on the H100 (2026-11-26) one cold reduce-overhead compile of the tiny model took 55 s
