@@ -161,14 +161,26 @@ class QualityResult:
         return abs(self.heldout_loss(fast) - self.heldout_loss(twin)) if twin is not None else float("nan")
 
     @property
+    def loss_rule(self) -> bool:
+        """The training-loss half of the twin test: the fast run's smoothed loss within the seeds' spread of its twin's
+        at PASS_SHARE of the judged steps (False without a twin)."""
+        return math.isfinite(self.within_spread) and self.within_spread >= PASS_SHARE
+
+    @property
+    def heldout_rule(self) -> bool:
+        """The held-out half of the twin test: the fast run's held-out EMA loss no further from its twin's than the
+        seeds' held-out losses spread (False without a twin)."""
+        lo, hi = self.heldout_range
+        return math.isfinite(self.heldout_gap) and self.heldout_gap <= hi - lo
+
+    @property
     def passed(self) -> bool:
         """Going fast changes the loss less than changing the seed does: the fast run's gap to its
         same-seed twin is within the seeds' spread at PASS_SHARE of the judged steps, and on the
-        held-out batches. Without a twin: the plain band test (inside at PASS_SHARE, held-out
-        inside the seeds' range)."""
+        held-out batches (``loss_rule`` and ``heldout_rule``). Without a twin: the plain band test (inside at
+        PASS_SHARE, held-out inside the seeds' range)."""
         if math.isfinite(self.within_spread):
-            lo, hi = self.heldout_range
-            return self.within_spread >= PASS_SHARE and self.heldout_gap <= hi - lo
+            return self.loss_rule and self.heldout_rule
         return self.inside >= PASS_SHARE and self.heldout_inside
 
     def verdict(self) -> str:
@@ -190,7 +202,7 @@ class QualityResult:
                 "Going fast changes the loss MORE than changing the seed")
         s = (f"{head}: the fast run's smoothed loss is within the seeds' spread (the band's width) of its same-seed "
              f"twin, {twin}, at {100 * self.within_spread:.0f}% of the judged steps, and its held-out EMA loss {ho:.5f} differs "
-             f"from the twin's {self.heldout_loss(twin):.5f} by {gap:.5f}, {'within' if gap <= spread else 'outside'} the "
+             f"from the twin's {self.heldout_loss(twin):.5f} by {gap:.5f}, {'within' if self.heldout_rule else 'outside'} the "
              f"seeds' spread {spread:.5f}. "
              f"Against the band itself, {band}.")
         if self.passed and (self.inside < PASS_SHARE or not self.heldout_inside):

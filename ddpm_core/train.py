@@ -46,6 +46,8 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes tha
 OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-nesterov", "adagrad", "adadelta")
 FUSED_OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-nesterov")
 # Fields that must match for a checkpoint to resume a run (they change weights or data order).
+# The paper's training semantics, which TrainConfig.fast() keeps (fast_changes names them; tests/test_train.py checks them)
+TRAINING_SEMANTICS = ("optimizer", "lr", "warmup_steps", "grad_clip", "ema_decay", "dropout", "timesteps")
 RESUME_KEYS = ("model", "norm", "optimizer", "batch_size", "timesteps", "seed", "dataset", "synthetic_size")
 # Values of those fields that hold the same weights and so resume each other: GroupNorm run in 16 bits under autocast
 # is GroupNorm with the same parameters (a speed switch, like precision).
@@ -146,6 +148,25 @@ class TrainConfig:
             settings.update(precision="bf16" if cpu_bf16()[0] else "fp32", compile=None)
         settings.update(overrides)
         return cls(**settings)
+
+    @classmethod
+    def fast_changes(cls, **shared: Any) -> tuple[Any, str]:
+        """What ``TrainConfig.fast(**shared)`` changes against ``TrainConfig(**shared)`` on this machine: a table (field,
+        baseline, ``TrainConfig.fast()``) of the fields that differ, and a sentence naming the training semantics
+        (``TRAINING_SEMANTICS``) it keeps, with their values, and any it changes (notebooks 09b and 09c show both)."""
+        import pandas as pd
+
+        base, fast = cls(**shared), cls.fast(**shared)
+        changed = pd.DataFrame([{"field": f.name, "baseline": repr(getattr(base, f.name)),
+                                 "TrainConfig.fast()": repr(getattr(fast, f.name))}
+                                for f in dataclasses.fields(cls) if getattr(base, f.name) != getattr(fast, f.name)])
+        kept = [n for n in TRAINING_SEMANTICS if getattr(base, n) == getattr(fast, n)]
+        said = ("It keeps " + ", ".join(f"`{n}={getattr(fast, n)!r}`" + (" (None: the model preset's own)"
+                                                                         if n == "dropout" and fast.dropout is None else "")
+                                        for n in kept)
+                + (f"; it changes {', '.join(n for n in TRAINING_SEMANTICS if n not in kept)}"
+                   if len(kept) < len(TRAINING_SEMANTICS) else "") + ".")
+        return changed, said
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -60,6 +60,16 @@ def test_the_verdict_says_outside_and_fails_for_a_fast_run_far_from_the_baseline
     v = r.verdict()
     assert "MORE than changing the seed" in v and "outside it at 100%" in v
     assert "0.50000 is above the baseline seeds' 0.30000-0.32000" in v and "outside the seeds' spread 0.02000" in v
+    assert not r.loss_rule and not r.heldout_rule
+
+
+def test_each_rule_of_the_twin_test_can_fail_alone():
+    """09c's Exercise 1 judges the two rules apart: a copy of the twin with a held-out loss off by more than the seeds'
+    spread fails only the held-out rule; a curve off by 3% with the twin's held-out loss fails only the loss rule."""
+    held_off = _fake(lambda twin: [(s, v * 1.0001) for s, v in twin], fast_heldout=0.35)  # twin 0.31, spread 0.02
+    assert held_off.loss_rule and not held_off.heldout_rule and not held_off.passed
+    curve_off = _fake(lambda twin: [(s, v * 1.03) for s, v in twin], fast_heldout=0.31)
+    assert not curve_off.loss_rule and curve_off.heldout_rule and not curve_off.passed
 
 
 def test_the_verdict_of_a_run_that_copies_its_twin_passes_and_quotes_its_numbers():

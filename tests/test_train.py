@@ -396,6 +396,23 @@ def test_the_fast_configuration_changes_how_the_step_runs_not_what_it_trains():
     assert TrainConfig.fast(batch_size=8, compile=None).batch_size == 8  # overrides win
 
 
+def test_fast_changes_lists_the_fields_fast_sets_and_the_semantics_it_keeps():
+    """09b's and 09c's first table and sentence: every field that differs, nothing else, at the settings given."""
+    import dataclasses
+
+    from ddpm_core import train as train_mod
+
+    assert set(train_mod.TRAINING_SEMANTICS) <= set(PAPER_SEMANTICS)
+    shared = dict(model="tiny", batch_size=8, lr=1e-3, warmup_steps=3, ema_decay=0.9)
+    changed, said = TrainConfig.fast_changes(**shared)
+    base, fast = TrainConfig(**shared), TrainConfig.fast(**shared)
+    assert list(changed["field"]) == [f.name for f in dataclasses.fields(TrainConfig)
+                                      if getattr(base, f.name) != getattr(fast, f.name)]
+    assert {"attention", "channels_last", "fused_optimizer", "loader"} <= set(changed["field"])
+    assert said.startswith("It keeps `optimizer='adam'`, `lr=0.001`, `warmup_steps=3`") and "changes" not in said
+    assert "`dropout=None` (None: the model preset's own)" in said
+
+
 def test_the_fast_step_trains_the_same_function_as_the_baseline(tmp_path):
     """Same weights, batch, t and noise: the fast configuration (in fp32 here, so that the numbers can
     be compared) gives the baseline's loss, and after one step with clipping and EMA, its weights."""
